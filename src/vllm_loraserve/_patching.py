@@ -1,0 +1,37 @@
+"""Idempotent monkeypatching.
+
+vLLM loads general plugins once per process, but a process may import this
+package twice (API server parser + engine args), and tests reload it. Every
+patch therefore goes through `wrap`, which marks the replacement and refuses
+to wrap a function twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+_MARK = "__loraserve_original__"
+
+
+def wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> bool:
+    """Replace `owner.name` by `make(original)` unless already replaced.
+
+    Static and class methods keep their descriptor kind. Returns True when the
+    patch was installed now, False when it was already in place.
+    """
+    raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    kind = type(raw) if isinstance(raw, staticmethod | classmethod) else None
+    func = raw.__func__ if kind else raw
+    if getattr(func, _MARK, None) is not None:
+        return False
+    replacement = make(func)
+    setattr(replacement, _MARK, func)
+    setattr(owner, name, kind(replacement) if kind else replacement)
+    return True
+
+
+def original(func: Any) -> Any:
+    """The function a patch replaced (or `func` itself when unpatched)."""
+    func = getattr(func, "__func__", func)
+    return getattr(func, _MARK, func)

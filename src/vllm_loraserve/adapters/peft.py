@@ -1,0 +1,277 @@
+"""The PEFT LoRA adapter format: inspect, validate against a model, write.
+
+A PEFT LoRA adapter is a directory with `adapter_config.json` and
+`adapter_model.safetensors` (or the older `adapter_model.bin`). Each adapted
+module `M` contributes `base_model.model.<M>.lora_A.weight` of shape
+`[r, in]` and `...lora_B.weight` of shape `[out, r]`; embeddings use
+`lora_embedding_A` `[r, vocab]` / `lora_embedding_B` `[dim, r]`. The delta is
+`scaling * B @ A` with `scaling = alpha / r` (rsLoRA: `alpha / sqrt(r)`).
+
+`inspect_adapter` reads only the config and the safetensors header, so
+cataloguing thousands of adapters costs no tensor reads. `check_against_model`
+compares the result with what the served model accepts. Both raise or return
+messages written for the person who sent the adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+CONFIG_FILE = "adapter_config.json"
+SAFETENSORS_FILE = "adapter_model.safetensors"
+BIN_FILE = "adapter_model.bin"
+_PREFIX = "base_model.model."
+_KINDS = {"lora_A": "A", "lora_B": "B", "lora_embedding_A": "A", "lora_embedding_B": "B"}
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1,
+                "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModuleShape:
+    """One adapted module: A is [rank, in_features], B is [out_features, rank]."""
+
+    rank: int
+    in_features: int
+    out_features: int
+    embedding: bool = False
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    path: str
+    rank: int
+    alpha: float
+    use_rslora: bool
+    base_model: str | None
+    size_bytes: int
+    modules: Mapping[str, ModuleShape] = field(repr=False)
+    """Full module path (PEFT prefix stripped) -> shapes."""
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    @property
+    def target_modules(self) -> list[str]:
+        """Short names of the adapted modules (e.g. q_proj), sorted."""
+        return sorted({short_name(m) for m in self.modules})
+
+
+def short_name(module_path: str) -> str:
+    return module_path.rsplit(".", 1)[-1]
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    cfg_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(cfg_path):
+        raise AdapterError(f"{CONFIG_FILE} is missing in {path}")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{CONFIG_FILE} in {path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{CONFIG_FILE} in {path} must hold a JSON object")
+    return cfg
+
+
+def _check_config(cfg: dict[str, Any]) -> tuple[int, float, bool]:
+    problems = []
+    peft_type = cfg.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        problems.append(f"peft_type is {peft_type!r}, only LORA adapters are served")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        problems.append(f"'r' must be a positive integer, got {r!r}")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+        problems.append(f"'lora_alpha' must be a number, got {alpha!r}")
+    if cfg.get("use_dora"):
+        problems.append("DoRA adapters (use_dora) are not supported by vLLM")
+    if cfg.get("modules_to_save"):
+        problems.append("modules_to_save is not supported by vLLM")
+    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
+        problems.append("adapter bias terms are not supported by vLLM")
+    # vLLM applies one scaling to every module; per-module patterns would be
+    # served with wrong numbers, so refuse them instead.
+    for key in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            problems.append(f"per-module {key} is not supported by vLLM's LoRA loader")
+    if problems:
+        raise AdapterError("; ".join(problems))
+    return r, float(alpha), bool(cfg.get("use_rslora", False))
+
+
+def _tensor_shapes(path: str) -> tuple[dict[str, tuple[list[int], str]], int]:
+    """Key -> (shape, dtype) and total tensor bytes, without reading tensor data."""
+    st_path, bin_path = os.path.join(path, SAFETENSORS_FILE), os.path.join(path, BIN_FILE)
+    if os.path.isfile(st_path):
+        from safetensors import safe_open
+
+        try:
+            shapes = {}
+            with safe_open(st_path, framework="numpy") as f:
+                for key in f.keys():
+                    s = f.get_slice(key)
+                    shapes[key] = (list(s.get_shape()), s.get_dtype())
+        except Exception as e:  # the library raises its own error types
+            raise AdapterError(f"{SAFETENSORS_FILE} in {path} is unreadable: {e}") from None
+        odd = sorted({dt for _, dt in shapes.values()} - set(_DTYPE_BYTES))
+        if odd:
+            raise AdapterError(f"{SAFETENSORS_FILE} in {path} has unsupported dtype(s) {odd}")
+        size = sum(math.prod(shape) * _DTYPE_BYTES[dt] for shape, dt in shapes.values())
+        return shapes, size
+    if os.path.isfile(bin_path):
+        import torch
+
+        try:
+            state = torch.load(bin_path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            raise AdapterError(f"{BIN_FILE} in {path} is unreadable: {e}") from None
+        shapes = {k: (list(v.shape), str(v.dtype)) for k, v in state.items()}
+        return shapes, sum(v.numel() * v.element_size() for v in state.values())
+    raise AdapterError(f"no {SAFETENSORS_FILE} (or {BIN_FILE}) in {path}")
+
+
+def inspect_adapter(path: str) -> AdapterSpec:
+    """Read and check an adapter directory's config and tensor shapes.
+
+    Raises AdapterError for anything vLLM would reject or serve wrongly: a
+    missing or malformed config, unreadable weights, unsupported features,
+    A/B pairs that do not match each other or the configured rank.
+    """
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise AdapterError(f"adapter directory {path} does not exist")
+    cfg = _read_config(path)
+    rank, alpha, use_rslora = _check_config(cfg)
+    shapes, size = _tensor_shapes(path)
+    if not shapes:
+        raise AdapterError(f"the adapter weights in {path} hold no tensors")
+
+    pairs: dict[str, dict[str, list[int]]] = {}
+    embedding: set[str] = set()
+    for key, (shape, _) in shapes.items():
+        stem = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
+        module, _, kind = stem.removesuffix(".weight").rpartition(".")
+        if kind not in _KINDS or not module:
+            raise AdapterError(f"unexpected tensor {key!r}: not a LoRA A/B weight")
+        if len(shape) != 2:
+            raise AdapterError(f"tensor {key!r} has shape {shape}; LoRA weights are 2-D")
+        pairs.setdefault(module, {})[_KINDS[kind]] = shape
+        if kind.startswith("lora_embedding"):
+            embedding.add(module)
+
+    modules = {}
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            missing = "lora_B" if "A" in ab else "lora_A"
+            raise AdapterError(f"module {module} has no {missing} weight")
+        (ra, n_in), (n_out, rb) = ab["A"], ab["B"]
+        if ra != rb:
+            raise AdapterError(f"module {module}: lora_A has rank {ra} but lora_B has rank {rb}")
+        if ra != rank:
+            raise AdapterError(
+                f"module {module} has rank {ra} but adapter_config.json says r={rank}"
+            )
+        modules[module] = ModuleShape(ra, n_in, n_out, module in embedding)
+
+    return AdapterSpec(
+        path=path,
+        rank=rank,
+        alpha=alpha,
+        use_rslora=use_rslora,
+        base_model=cfg.get("base_model_name_or_path"),
+        size_bytes=size,
+        modules=modules,
+    )
+
+
+@dataclass(frozen=True)
+class ModelLoRAInfo:
+    """What the served model accepts: short module name -> allowed (in, out)
+    pairs (one per distinct layer shape), plus the rank limit."""
+
+    shapes: Mapping[str, frozenset[tuple[int, int]]]
+    max_rank: int
+
+    @classmethod
+    def from_wire(cls, shapes: Mapping[str, Any], max_rank: int) -> ModelLoRAInfo:
+        return cls({k: frozenset(tuple(p) for p in v) for k, v in shapes.items()}, max_rank)
+
+
+def check_against_model(spec: AdapterSpec, model: ModelLoRAInfo) -> None:
+    """Raise AdapterError if the served model cannot apply this adapter."""
+    if spec.rank > model.max_rank:
+        raise AdapterError(
+            f"rank {spec.rank} is above this server's maximum LoRA rank {model.max_rank} "
+            "(--max-lora-rank)"
+        )
+    unsupported = sorted(set(spec.target_modules) - set(model.shapes))
+    if unsupported:
+        raise AdapterError(
+            f"unsupported target module(s) {unsupported}; this model applies LoRA to "
+            f"{sorted(model.shapes)}"
+        )
+    for module, m in spec.modules.items():
+        allowed = model.shapes[short_name(module)]
+        if (m.in_features, m.out_features) not in allowed:
+            want = " or ".join(f"in={i}, out={o}" for i, o in sorted(allowed))
+            raise AdapterError(
+                f"adapter does not fit this base model: {module} has in={m.in_features}, "
+                f"out={m.out_features} but the model's {short_name(module)} has {want} "
+                f"(adapter trained for {spec.base_model or 'an unknown base model'})"
+            )
+
+
+def write_adapter(
+    path: str,
+    weights: Mapping[str, tuple[Any, Any]],
+    *,
+    rank: int,
+    alpha: float,
+    base_model: str,
+    use_rslora: bool = False,
+) -> None:
+    """Write a PEFT LoRA adapter directory.
+
+    `weights` maps a full module path (e.g. `model.layers.0.self_attn.q_proj`)
+    to (A [rank, in], B [out, rank]) torch tensors.
+    """
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for module, (a, b) in weights.items():
+        tensors[f"{_PREFIX}{module}.lora_A.weight"] = a.contiguous()
+        tensors[f"{_PREFIX}{module}.lora_B.weight"] = b.contiguous()
+    targets = sorted({short_name(m) for m in weights})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": use_rslora,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    save_file(tensors, os.path.join(path, SAFETENSORS_FILE), metadata={"format": "pt"})
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)

@@ -1,0 +1,67 @@
+"""The plugin's configuration: one typed, documented dataclass.
+
+It reaches vLLM as `additional_config["loraserve"]` (a plain dict, so it
+travels to the engine core and workers inside `VllmConfig`). `--plugin
+loraserve --loraserve-*` on the `vllm serve` command line fills that dict
+(frontend/args.py); Python users pass it directly:
+
+    LLM(model, enable_lora=True, additional_config={"loraserve": {}})
+
+The presence of the key is what activates the plugin: an installed plugin
+without it changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+ADDITIONAL_CONFIG_KEY = "loraserve"
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    """A field with its user-facing doc; frontend/args.py turns it into a flag."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class LoraServeConfig:
+    adapter_dirs: list[str] = _opt(
+        [],
+        "Directory whose sub-directories are PEFT LoRA adapters, each served "
+        "under its sub-directory name. Adapters are validated at start-up and "
+        "read from disk on their first request. Repeatable.",
+        flag="--loraserve-adapter-dir",
+        action="append",
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.adapter_dirs, list) or not all(
+            isinstance(d, str) for d in self.adapter_dirs
+        ):
+            raise ValueError("loraserve.adapter_dirs must be a list of paths")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> LoraServeConfig:
+        raw = dict(raw or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown loraserve option(s) {unknown}; valid options: {sorted(known)}"
+            )
+        return cls(**raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def from_vllm_config(vllm_config: Any) -> LoraServeConfig | None:
+    """The active plugin config of a VllmConfig, or None when the plugin is off."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if ADDITIONAL_CONFIG_KEY not in extra:
+        return None
+    return LoraServeConfig.from_dict(extra[ADDITIONAL_CONFIG_KEY])

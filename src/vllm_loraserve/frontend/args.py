@@ -1,0 +1,145 @@
+"""`vllm serve ... --plugin loraserve --loraserve-*`: command line to config.
+
+vLLM has no `--plugin` flag, but `AsyncEngineArgs.add_cli_args` loads
+general plugins before it calls `EngineArgs.add_cli_args`
+(vllm/engine/arg_utils.py), so wrapping the latter adds our flags to the
+`vllm serve` parser. `EngineArgs.from_cli_args` then moves them into
+`additional_config["loraserve"]`, which travels inside `VllmConfig` to the
+engine core and every worker. `EngineArgs.create_engine_config` is where the
+plugin activates, for the CLI and for Python users alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from vllm_loraserve._patching import wrap
+from vllm_loraserve.config import ADDITIONAL_CONFIG_KEY, LoraServeConfig
+
+logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
+
+PLUGIN_NAME = "loraserve"
+WORKER_EXTENSION = "vllm_loraserve.worker.extension.LoraServeWorkerExtension"
+
+_active: LoraServeConfig | None = None
+
+
+def active_config() -> LoraServeConfig | None:
+    """The plugin config of the engine built in this process, if active."""
+    return _active
+
+
+def _flag_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(LoraServeConfig) if "flag" in f.metadata]
+
+
+def _dest(f: dataclasses.Field) -> str:
+    return f.metadata["flag"].lstrip("-").replace("-", "_")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "vllm-loraserve", "Options of the loraserve plugin (need --plugin loraserve)."
+    )
+    group.add_argument(
+        "--plugin",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="Activate an installed vLLM plugin by name. 'loraserve' turns on "
+        "vllm-loraserve. Repeatable.",
+    )
+    for f in _flag_fields():
+        kind = f.metadata.get("action")
+        extra: dict[str, Any] = {"action": kind} if kind else {"type": type(f.default)}
+        group.add_argument(f.metadata["flag"], dest=_dest(f), default=None,
+                           help=f.metadata["help"], **extra)
+
+
+def config_from_args(args: argparse.Namespace, base: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The `additional_config["loraserve"]` dict the command line asks for.
+
+    Flags given on the command line override the same keys of an
+    `--additional-config '{"loraserve": {...}}'`. Returns None when the plugin
+    is not requested; raises when loraserve flags come without the plugin.
+    """
+    plugins = getattr(args, "plugin", None) or []
+    unknown = sorted(set(plugins) - {PLUGIN_NAME})
+    if unknown:
+        raise ValueError(f"unknown --plugin {unknown}; installed: ['{PLUGIN_NAME}']")
+    given = {f.name: getattr(args, _dest(f)) for f in _flag_fields()
+             if getattr(args, _dest(f), None) is not None}
+    if PLUGIN_NAME not in plugins:
+        if given:
+            flags = [f.metadata["flag"] for f in _flag_fields() if f.name in given]
+            raise ValueError(f"{flags} need --plugin {PLUGIN_NAME}")
+        return None
+    return {**(base or {}), **given}
+
+
+def activate(engine_args: Any) -> None:
+    """Validate the plugin config of `engine_args` and wire the engine for it.
+
+    Runs in the process that builds the engine config (API server or LLM).
+    """
+    from vllm_loraserve.compat import check_supported
+
+    global _active
+    check_supported()
+    cfg = LoraServeConfig.from_dict(engine_args.additional_config[ADDITIONAL_CONFIG_KEY])
+    if not engine_args.enable_lora:
+        raise ValueError("vllm-loraserve serves LoRA adapters: add --enable-lora")
+    missing = [d for d in cfg.adapter_dirs if not os.path.isdir(d)]
+    if missing:
+        raise ValueError(f"--loraserve-adapter-dir: not a directory: {missing}")
+    cfg.adapter_dirs = [os.path.abspath(d) for d in cfg.adapter_dirs]
+    ext = engine_args.worker_extension_cls
+    if ext and ext != WORKER_EXTENSION:
+        raise ValueError(
+            f"vllm-loraserve needs --worker-extension-cls {WORKER_EXTENSION}; "
+            f"it cannot be combined with {ext}"
+        )
+    engine_args.worker_extension_cls = WORKER_EXTENSION
+    engine_args.additional_config[ADDITIONAL_CONFIG_KEY] = cfg.to_dict()
+    _active = cfg
+    logger.info("vllm-loraserve active: %s", cfg)
+
+
+def install() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make_add_cli_args(add_cli_args):
+        def patched(parser, *a, **kw):
+            parser = add_cli_args(parser, *a, **kw)
+            add_arguments(parser)
+            return parser
+
+        return patched
+
+    def make_from_cli_args(from_cli_args):
+        def patched(cls, args):
+            engine_args = from_cli_args(cls, args)
+            extra = dict(engine_args.additional_config or {})
+            cfg = config_from_args(args, extra.get(ADDITIONAL_CONFIG_KEY))
+            if cfg is not None:
+                extra[ADDITIONAL_CONFIG_KEY] = cfg
+                engine_args.additional_config = extra
+            return engine_args
+
+        return patched
+
+    def make_create_engine_config(create_engine_config):
+        def patched(self, *a, **kw):
+            if ADDITIONAL_CONFIG_KEY in (self.additional_config or {}):
+                activate(self)
+            return create_engine_config(self, *a, **kw)
+
+        return patched
+
+    wrap(EngineArgs, "add_cli_args", make_add_cli_args)
+    wrap(EngineArgs, "from_cli_args", make_from_cli_args)
+    wrap(EngineArgs, "create_engine_config", make_create_engine_config)

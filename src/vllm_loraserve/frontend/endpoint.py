@@ -1,0 +1,126 @@
+"""HTTP surface of the plugin in vLLM's API server (`vllm.endpoint_plugins`).
+
+Routes:
+- `GET /loraserve/v1/adapters`: every known adapter with rank, alpha, target
+  modules, size and where it resides now (disk / host / gpu), invalid ones
+  with the reason;
+- `GET /loraserve/v1/adapters/{name}`: one of them (404 if unknown).
+
+vLLM loads endpoint plugins only when `VLLM_PLUGINS` names them. `--plugin
+loraserve` is that explicit opt-in, so `install_gate` adds this plugin to
+vLLM's list when the plugin is active in this process.
+
+Residency and load events live in the workers; `_refresh` pulls them over
+`collective_rpc` when the adapter list or `/metrics` is read.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from vllm_loraserve._patching import wrap
+from vllm_loraserve.frontend import args as cli_args
+from vllm_loraserve.frontend import serving
+from vllm_loraserve.frontend.metrics import metrics
+
+logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
+
+router = APIRouter(prefix="/loraserve/v1")
+
+
+async def _refresh(state: Any) -> None:
+    """Pull residency and load events from the workers into catalogue and metrics."""
+    catalog = serving.catalog_of(state.openai_serving_models)
+    snapshot = (await state.engine_client.collective_rpc("loraserve_residency"))[0]
+    catalog.update_residency(snapshot["gpu"], snapshot["host"])
+    events = [(catalog.name_of(i) or f"lora-id-{i}", tier, seconds)
+              for i, tier, seconds in snapshot["events"]]
+    m = metrics()
+    m.record_loads(events, snapshot["dropped_events"])
+    m.set_states(catalog.counts())
+
+
+def _engine_unavailable(e: Exception) -> JSONResponse:
+    return JSONResponse(status_code=503, content={"error": {
+        "message": f"engine did not answer: {e}", "type": "ServiceUnavailable", "code": 503}})
+
+
+@router.get("/adapters")
+async def list_adapters(raw_request: Request) -> JSONResponse:
+    state = raw_request.app.state
+    try:
+        await _refresh(state)
+    except Exception as e:  # a dead engine must not turn this into a traceback
+        return _engine_unavailable(e)
+    catalog = serving.catalog_of(state.openai_serving_models)
+    return JSONResponse({
+        "adapters": [e.to_json() for _, e in sorted(catalog.entries.items())],
+        "counts": catalog.counts(),
+    })
+
+
+@router.get("/adapters/{name}")
+async def get_adapter(name: str, raw_request: Request) -> JSONResponse:
+    state = raw_request.app.state
+    try:
+        await _refresh(state)
+    except Exception as e:
+        return _engine_unavailable(e)
+    entry = serving.catalog_of(state.openai_serving_models).entries.get(name)
+    if entry is None:
+        return JSONResponse(status_code=404, content={"error": {
+            "message": f"unknown LoRA adapter '{name}'", "type": "NotFoundError", "code": 404}})
+    return JSONResponse(entry.to_json())
+
+
+class LoraServeEndpoint:
+    """The `EndpointPlugin` (vllm/plugins/endpoint_plugins/interface.py)."""
+
+    name = cli_args.PLUGIN_NAME
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: FastAPI) -> None:
+        if cli_args.active_config() is None:
+            logger.warning("loraserve endpoint plugin loaded, but the plugin is not active "
+                           "for this server (add --plugin loraserve); no routes added")
+            return
+        serving.install()
+        app.include_router(router)
+
+        @app.middleware("http")
+        async def refresh_before_metrics(request: Request, call_next):
+            if request.url.path.rstrip("/") == "/metrics":
+                try:
+                    await _refresh(request.app.state)
+                except Exception as e:  # stale adapter metrics beat a failed scrape
+                    logger.warning("adapter metrics not refreshed: %s", e)
+            return await call_next(request)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        if cli_args.active_config() is not None and engine_client is None:
+            raise RuntimeError("vllm-loraserve needs an engine (not the render-only server)")
+
+
+def install_gate() -> None:
+    """Let an active plugin attach its endpoint without VLLM_PLUGINS."""
+    import vllm.envs as envs
+    import vllm.plugins
+
+    def make(load_endpoint_plugins):
+        def patched(supported_tasks=None):
+            if cli_args.active_config() is None:
+                return load_endpoint_plugins(supported_tasks)
+            # Unset VLLM_PLUGINS loads no endpoint plugin (and warns that it
+            # would need one): --plugin loraserve is our allowlist entry.
+            plugins = [] if envs.VLLM_PLUGINS is None else load_endpoint_plugins(supported_tasks)
+            if not any(p.name == LoraServeEndpoint.name for p in plugins):
+                plugins.append(LoraServeEndpoint())
+            return plugins
+
+        return patched
+
+    wrap(vllm.plugins, "load_endpoint_plugins", make)

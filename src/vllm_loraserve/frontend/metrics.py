@@ -1,0 +1,145 @@
+"""Per-adapter Prometheus metrics, served on vLLM's own `/metrics`.
+
+Two sources feed them, both in the API server process:
+- requests and tokens: vLLM's output processor knows each request's adapter
+  name; two wrapped methods of `OutputProcessor` (vllm/v1/engine/
+  output_processor.py) add per-adapter tallies to the step's `IterationStats`,
+  and `LoraServeStatLogger` (a `vllm.stat_logger_plugins` entry) turns them
+  into counters. vLLM's own `vllm:lora_requests_info` only has a gauge with
+  comma-joined names.
+- adapter loads and residency: workers time their loads (worker/residency.py);
+  `frontend/endpoint.py` drains those events when `/metrics` is scraped.
+
+Every adapter is one label value; requests without an adapter are counted
+under the served base model name.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from vllm_loraserve._patching import wrap
+from vllm_loraserve.config import from_vllm_config
+
+_TALLY_ATTR = "loraserve_by_adapter"
+
+
+class _Tally:
+    __slots__ = ("prompt_tokens", "generation_tokens", "finished")
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: list[str] = []
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.requests = Counter(
+            "loraserve_adapter_requests", "Finished requests per adapter.",
+            ["adapter", "finished_reason"])
+        self.prompt_tokens = Counter(
+            "loraserve_adapter_prompt_tokens", "Prompt tokens per adapter.", ["adapter"])
+        self.generation_tokens = Counter(
+            "loraserve_adapter_generation_tokens", "Generated tokens per adapter.",
+            ["adapter"])
+        self.loads = Counter(
+            "loraserve_adapter_loads",
+            "Adapter loads per adapter and tier (host: disk to host memory; "
+            "gpu: host memory to device slots).", ["adapter", "tier"])
+        self.load_seconds = Histogram(
+            "loraserve_adapter_load_seconds", "Adapter load latency.", ["tier"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.adapters = Gauge(
+            "loraserve_adapters", "Known adapters by state (disk, host, gpu, invalid).",
+            ["state"])
+        self.dropped_load_events = Gauge(
+            "loraserve_adapter_load_events_dropped",
+            "Load events a worker dropped because /metrics was not scraped in time "
+            "(the load counters undercount by this much).")
+
+    def record_loads(self, events: list[tuple[str, str, float]], dropped: int) -> None:
+        for adapter, tier, seconds in events:
+            self.loads.labels(adapter, tier).inc()
+            self.load_seconds.labels(tier).observe(seconds)
+        self.dropped_load_events.set(dropped)
+
+    def set_states(self, counts: dict[str, int]) -> None:
+        for state, n in counts.items():
+            self.adapters.labels(state).set(n)
+
+
+@functools.cache
+def metrics() -> Metrics:
+    """The process-wide metric objects (prometheus-client allows one of each)."""
+    return Metrics()
+
+
+def _tally(iteration_stats: Any, lora_name: str | None) -> _Tally:
+    tallies = iteration_stats.__dict__.setdefault(_TALLY_ATTR, {})
+    tally = tallies.get(lora_name)
+    if tally is None:
+        tally = tallies[lora_name] = _Tally()
+    return tally
+
+
+def _make_update_from_output(update):
+    def patched(self, req_state, engine_core_output, engine_core_timestamp, iteration_stats):
+        update(self, req_state, engine_core_output, engine_core_timestamp, iteration_stats)
+        if iteration_stats is not None:
+            tally = _tally(iteration_stats, req_state.lora_name)
+            if req_state.is_prefilling:
+                tally.prompt_tokens += req_state.prompt_len
+            tally.generation_tokens += len(engine_core_output.new_token_ids)
+
+    return patched
+
+
+def _make_update_from_finished(update):
+    def patched(self, req_state, finish_reason, iteration_stats):
+        update(self, req_state, finish_reason, iteration_stats)
+        if iteration_stats is not None:
+            _tally(iteration_stats, req_state.lora_name).finished.append(str(finish_reason))
+
+    return patched
+
+
+def install_output_tallies() -> None:
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    wrap(OutputProcessor, "_update_stats_from_output", _make_update_from_output)
+    wrap(OutputProcessor, "_update_stats_from_finished", _make_update_from_finished)
+
+
+class LoraServeStatLogger(StatLoggerBase):
+    """`vllm.stat_logger_plugins` entry: per-adapter request and token counters.
+
+    Does nothing unless the plugin is active for the engine it logs for.
+    """
+
+    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        self.active = from_vllm_config(vllm_config) is not None
+        if self.active:
+            install_output_tallies()
+            self.metrics = metrics()
+            self.base_name = vllm_config.model_config.served_model_name
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+        if not self.active or iteration_stats is None:
+            return
+        m = self.metrics
+        for lora_name, tally in iteration_stats.__dict__.get(_TALLY_ATTR, {}).items():
+            adapter = lora_name or self.base_name
+            if tally.prompt_tokens:
+                m.prompt_tokens.labels(adapter).inc(tally.prompt_tokens)
+            if tally.generation_tokens:
+                m.generation_tokens.labels(adapter).inc(tally.generation_tokens)
+            for reason in tally.finished:
+                m.requests.labels(adapter, reason).inc()
+
+    def log_engine_initialized(self) -> None:
+        pass

@@ -1,0 +1,160 @@
+"""API-server patches on vLLM's adapter registry (`OpenAIServingModels`,
+vllm/entrypoints/openai/models/serving.py) and model check (`BaseServing.
+_check_model`, vllm/entrypoints/serve/engine/serving.py).
+
+With the plugin active:
+- every adapter is inspected and checked against the model before vLLM sees
+  it (`AdapterCatalog.admit`); a bad one is refused with HTTP 400 and a reason
+  instead of failing start-up (static `--lora-modules`) or the engine step;
+- `--loraserve-adapter-dir` adapters are registered by name without loading:
+  the worker reads each from disk on its first request;
+- requests naming an invalid adapter get HTTP 400 with the reason; unknown
+  names keep vLLM's 404;
+- `/v1/unload_lora_adapter` also frees the worker's copy (vLLM alone only
+  forgets the name).
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from vllm_loraserve._patching import wrap
+from vllm_loraserve.adapters.peft import ModelLoRAInfo
+from vllm_loraserve.config import from_vllm_config
+from vllm_loraserve.frontend.catalog import AdapterCatalog, scan_adapter_dir
+
+logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
+
+CATALOG_ATTR = "_loraserve_catalog"
+
+
+def catalog_of(models: Any) -> AdapterCatalog | None:
+    return getattr(models, CATALOG_ATTR, None)
+
+
+def _bad_adapter(name: str, reason: str) -> Any:
+    from vllm.entrypoints.serve.utils.error_response import create_error_response
+
+    return create_error_response(
+        message=f"LoRA adapter '{name}' cannot be served: {reason}",
+        err_type="BadRequestError",
+        status_code=HTTPStatus.BAD_REQUEST,
+        param="model",
+    )
+
+
+def _make_catalog(models: Any) -> AdapterCatalog:
+    engine_client = models.engine_client
+
+    async def fetch() -> ModelLoRAInfo:
+        shapes = (await engine_client.collective_rpc("loraserve_lora_modules"))[0]
+        return ModelLoRAInfo.from_wire(shapes, engine_client.vllm_config.lora_config.max_lora_rank)
+
+    return AdapterCatalog(fetch)
+
+
+def _make_load_lora_adapter(load_lora_adapter):
+    async def patched(self, request, base_model_name=None, *, loraserve_source="runtime"):
+        from vllm.entrypoints.openai.engine.protocol import ErrorResponse
+
+        catalog = catalog_of(self)
+        name = request.lora_name
+        if catalog is None or not name or not request.lora_path:
+            return await load_lora_adapter(self, request, base_model_name)
+        entry = await catalog.admit(name, request.lora_path, loraserve_source)
+        if entry.error is not None:
+            return _bad_adapter(name, entry.error)
+        result = await load_lora_adapter(self, request, base_model_name)
+        if isinstance(result, ErrorResponse):
+            if name not in self.lora_requests:  # keep a previously served version
+                catalog.reject(name, result.error.message)
+            return _bad_adapter(name, result.error.message)
+        catalog.bind(name, self.lora_requests[name].lora_int_id)
+        return result
+
+    return patched
+
+
+def _make_init_static_loras(init_static_loras):
+    async def patched(self):
+        from vllm.entrypoints.openai.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+        from vllm.lora.request import LoRARequest
+
+        cfg = from_vllm_config(self.engine_client.vllm_config)
+        if cfg is None:
+            return await init_static_loras(self)
+        catalog = _make_catalog(self)
+        setattr(self, CATALOG_ATTR, catalog)
+        for lora in self.static_lora_modules or []:
+            request = LoadLoRAAdapterRequest(lora_name=lora.name, lora_path=lora.path,
+                                             is_3d_lora_weight=lora.is_3d_lora_weight)
+            result = await self.load_lora_adapter(request, lora.base_model_name,
+                                                  loraserve_source="lora-modules")
+            if isinstance(result, ErrorResponse):
+                logger.error("%s (other adapters keep serving)", result.error.message)
+        for root in cfg.adapter_dirs:
+            for name, path in scan_adapter_dir(root):
+                if name in catalog.entries:
+                    logger.warning("adapter name '%s' in %s is already taken by %s; skipped",
+                                   name, root, catalog.entries[name].path)
+                    continue
+                entry = await catalog.admit(name, path, "adapter-dir")
+                if entry.error is not None:
+                    logger.error("LoRA adapter '%s' cannot be served: %s", name, entry.error)
+                    continue
+                lora_int_id = self.lora_id_counter.inc(1)
+                self.lora_requests[name] = LoRARequest(
+                    lora_name=name, lora_int_id=lora_int_id, lora_path=entry.path)
+                catalog.bind(name, lora_int_id)
+        counts = catalog.counts()
+        logger.info("vllm-loraserve catalogue: %d adapters ready, %d invalid",
+                    len(catalog.entries) - counts["invalid"], counts["invalid"])
+
+    return patched
+
+
+def _make_unload_lora_adapter(unload_lora_adapter):
+    async def patched(self, request):
+        from vllm.entrypoints.openai.engine.protocol import ErrorResponse
+
+        catalog = catalog_of(self)
+        if catalog is None:
+            return await unload_lora_adapter(self, request)
+        name = request.lora_name
+        served = self.lora_requests.get(name)
+        if served is None and catalog.invalid_reason(name) is not None:
+            catalog.forget(name)
+            return f"Success: invalid LoRA adapter '{name}' removed."
+        result = await unload_lora_adapter(self, request)
+        if not isinstance(result, ErrorResponse):
+            catalog.forget(name)
+            await self.engine_client.remove_lora(served.lora_int_id)
+        return result
+
+    return patched
+
+
+def _make_check_model(check_model):
+    async def patched(self, request):
+        catalog = catalog_of(self.models)
+        name = getattr(request, "model", None)
+        if catalog is not None and name and name not in self.models.lora_requests:
+            reason = catalog.invalid_reason(name)
+            if reason is not None:
+                return _bad_adapter(name, reason)
+        return await check_model(self, request)
+
+    return patched
+
+
+def install() -> None:
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.entrypoints.serve.engine.serving import BaseServing
+
+    wrap(OpenAIServingModels, "load_lora_adapter", _make_load_lora_adapter)
+    wrap(OpenAIServingModels, "init_static_loras", _make_init_static_loras)
+    wrap(OpenAIServingModels, "unload_lora_adapter", _make_unload_lora_adapter)
+    wrap(BaseServing, "_check_model", _make_check_model)

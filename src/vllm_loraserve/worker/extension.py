@@ -1,0 +1,33 @@
+"""RPC methods the API server calls on workers (`collective_rpc`).
+
+Set as vLLM's `worker_extension_cls` when the plugin is active (see
+frontend/args.py); vLLM mixes it into the worker class. Names carry the
+`loraserve_` prefix because vLLM refuses extension attributes that clash with
+the worker's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_loraserve.worker.residency import ResidencyTracker, lora_module_shapes
+
+TRACKER_ATTR = "_loraserve_tracker"
+
+
+class LoraServeWorkerExtension:
+    def _loraserve_lora_manager(self) -> Any:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if not hasattr(runner, "lora_manager"):
+            raise RuntimeError("vllm-loraserve needs --enable-lora")
+        return runner.lora_manager
+
+    def loraserve_lora_modules(self) -> dict[str, list[tuple[int, int]]]:
+        """Module short name -> accepted (in, out) shapes, for adapter checks."""
+        return lora_module_shapes(self._loraserve_lora_manager()._adapter_manager)
+
+    def loraserve_residency(self) -> dict[str, Any]:
+        """Adapter ids per tier and the load events since the last call."""
+        self._loraserve_lora_manager()
+        tracker: ResidencyTracker = getattr(self.model_runner, TRACKER_ATTR)  # type: ignore[attr-defined]
+        return tracker.snapshot()
