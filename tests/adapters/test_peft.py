@@ -1,0 +1,168 @@
+"""The PEFT format module: what it accepts, what it refuses and why."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from vllm_loraserve.adapters.peft import (
+    AdapterError,
+    ModelLoRAInfo,
+    check_against_model,
+    inspect_adapter,
+    write_adapter,
+)
+
+DIMS = {"model.layers.0.self_attn.q_proj": (16, 16), "model.layers.0.mlp.down_proj": (32, 16)}
+MODEL = ModelLoRAInfo({"q_proj": frozenset({(16, 16)}), "down_proj": frozenset({(32, 16)})}, 8)
+
+
+def _write(path, rank=4, alpha=8, dims=DIMS, **kw):
+    g = torch.Generator().manual_seed(0)
+    weights = {m: (torch.randn(rank, i, generator=g), torch.randn(o, rank, generator=g))
+               for m, (i, o) in dims.items()}
+    write_adapter(str(path), weights, rank=rank, alpha=alpha, base_model="test/base", **kw)
+    return str(path)
+
+
+def _edit_config(path, **changes):
+    cfg_path = os.path.join(path, "adapter_config.json")
+    cfg = json.load(open(cfg_path))
+    cfg.update(changes)
+    json.dump(cfg, open(cfg_path, "w"))
+
+
+def test_inspect_reads_rank_alpha_targets_and_size(tmp_path):
+    spec = inspect_adapter(_write(tmp_path / "a", rank=4, alpha=8))
+    assert (spec.rank, spec.alpha, spec.scaling) == (4, 8.0, 2.0)
+    assert spec.target_modules == ["down_proj", "q_proj"]
+    assert spec.size_bytes == 4 * (4 * 16 + 16 * 4) + 4 * (4 * 32 + 16 * 4)  # fp32
+    assert spec.modules["model.layers.0.mlp.down_proj"].in_features == 32
+    check_against_model(spec, MODEL)  # fits
+
+
+def test_rslora_scaling(tmp_path):
+    spec = inspect_adapter(_write(tmp_path / "a", rank=4, alpha=8, use_rslora=True))
+    assert spec.scaling == pytest.approx(8 / math.sqrt(4))
+
+
+def test_written_adapter_is_real_peft(tmp_path):
+    """PEFT itself loads what write_adapter writes, with the same scaling."""
+    peft = pytest.importorskip("peft")
+    path = _write(tmp_path / "a", rank=4, alpha=12)
+    cfg = peft.PeftConfig.from_pretrained(path)
+    assert (cfg.r, cfg.lora_alpha, sorted(cfg.target_modules)) == (4, 12, ["down_proj", "q_proj"])
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"use_dora": True}, "DoRA"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"bias": "all"}, "bias"),
+    ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
+    ({"alpha_pattern": {"q_proj": 2}}, "alpha_pattern"),
+    ({"r": 0}, "positive integer"),
+    ({"r": 8}, "says r=8"),
+    ({"lora_alpha": "big"}, "lora_alpha"),
+    ({"peft_type": "IA3"}, "only LORA"),
+])
+def test_refused_configs(tmp_path, change, message):
+    path = _write(tmp_path / "a")
+    _edit_config(path, **change)
+    with pytest.raises(AdapterError, match=message):
+        inspect_adapter(path)
+
+
+def test_missing_config(tmp_path):
+    path = _write(tmp_path / "a")
+    os.remove(os.path.join(path, "adapter_config.json"))
+    with pytest.raises(AdapterError, match="adapter_config.json is missing"):
+        inspect_adapter(path)
+
+
+def test_config_not_json(tmp_path):
+    path = _write(tmp_path / "a")
+    open(os.path.join(path, "adapter_config.json"), "w").write("{not json")
+    with pytest.raises(AdapterError, match="not valid JSON"):
+        inspect_adapter(path)
+
+
+def test_missing_weights(tmp_path):
+    path = _write(tmp_path / "a")
+    os.remove(os.path.join(path, "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="no adapter_model.safetensors"):
+        inspect_adapter(path)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_unreadable_safetensors(tmp_path, damage):
+    path = _write(tmp_path / "a")
+    st = os.path.join(path, "adapter_model.safetensors")
+    data = open(st, "rb").read()
+    open(st, "wb").write(b"garbage" * 9 if damage == "garbage" else data[:-10])
+    with pytest.raises(AdapterError, match="unreadable"):
+        inspect_adapter(path)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(AdapterError, match="does not exist"):
+        inspect_adapter(str(tmp_path / "nope"))
+
+
+def _write_raw(path, tensors, rank=4):
+    from safetensors.torch import save_file
+
+    os.makedirs(path)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 8, "target_modules": ["q_proj"]},
+              open(os.path.join(path, "adapter_config.json"), "w"))
+    return str(path)
+
+
+P = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("tensors, message", [
+    ({f"{P}.lora_A.weight": torch.zeros(4, 16)}, "no lora_B"),
+    ({f"{P}.lora_A.weight": torch.zeros(4, 16), f"{P}.lora_B.weight": torch.zeros(16, 3)},
+     "rank 4 but lora_B has rank 3"),
+    ({f"{P}.lora_A.weight": torch.zeros(4, 16, 1), f"{P}.lora_B.weight": torch.zeros(16, 4)},
+     "2-D"),
+    ({f"{P}.weight": torch.zeros(4, 16)}, "not a LoRA A/B weight"),
+    ({}, "no tensors"),
+])
+def test_malformed_tensors(tmp_path, tensors, message):
+    with pytest.raises(AdapterError, match=message):
+        inspect_adapter(_write_raw(tmp_path / "a", tensors))
+
+
+def test_rank_above_server_maximum(tmp_path):
+    spec = inspect_adapter(_write(tmp_path / "a", rank=16, alpha=16))
+    with pytest.raises(AdapterError, match="rank 16 is above this server's maximum LoRA rank 8"):
+        check_against_model(spec, MODEL)
+
+
+def test_unsupported_target_module(tmp_path):
+    dims = {**DIMS, "model.layers.0.self_attn.rotary_proj": (16, 16)}
+    spec = inspect_adapter(_write(tmp_path / "a", dims=dims))
+    with pytest.raises(AdapterError, match=r"unsupported target module\(s\) \['rotary_proj'\]"):
+        check_against_model(spec, MODEL)
+
+
+def test_wrong_base_model(tmp_path):
+    dims = {"model.layers.0.self_attn.q_proj": (32, 32)}
+    spec = inspect_adapter(_write(tmp_path / "a", dims=dims))
+    with pytest.raises(AdapterError, match="does not fit this base model.*in=32, out=32.*test/base"):
+        check_against_model(spec, MODEL)
+
+
+def test_embedding_adapter_shapes(tmp_path):
+    path = _write_raw(tmp_path / "a", {
+        "base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 100),
+        "base_model.model.model.embed_tokens.lora_embedding_B": torch.zeros(16, 4)})
+    m = inspect_adapter(path).modules["model.embed_tokens"]
+    assert (m.in_features, m.out_features, m.embedding) == (100, 16, True)
+

@@ -1,0 +1,30 @@
+"""Shared fixtures: locally built demo assets (no hub, deterministic)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# CPU vLLM sizes its KV cache from this; without it start-up fails.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory) -> str:
+    """The demo's tiny Llama with 6 adapters (ranks 8..128, then 8 again)."""
+    from vllm_loraserve.demo.assets import build_assets
+
+    out = str(tmp_path_factory.mktemp("tiny"))
+    build_assets(out, num_adapters=6)
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen_assets(tmp_path_factory) -> str:
+    """A tiny Qwen2 (attention biases) model without adapters."""
+    from vllm_loraserve.demo.assets import build_model
+
+    out = str(tmp_path_factory.mktemp("qwen"))
+    build_model(os.path.join(out, "model"), preset="tiny-qwen2", seed=7)
+    return out

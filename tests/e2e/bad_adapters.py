@@ -1,0 +1,41 @@
+"""One malformed adapter per failure mode, built from a good one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from vllm_loraserve.demo.assets import make_adapter, module_dims
+
+# name -> part of the reason the server must give
+EXPECTED_REASONS = {
+    "no-config": "adapter_config.json is missing",
+    "broken-weights": "unreadable",
+    "rank-256": "rank 256 is above this server's maximum LoRA rank 128",
+    "wrong-base": "does not fit this base model",
+    "bad-target": "unsupported target module(s) ['rotary_proj']",
+    "dora": "DoRA",
+}
+
+
+def build_bad_adapters(tiny_assets: str, out: str) -> None:
+    good = os.path.join(tiny_assets, "adapters", "adapter-000-r8")
+    model = os.path.join(tiny_assets, "model")
+    shutil.copytree(good, os.path.join(out, "no-config"))
+    os.remove(os.path.join(out, "no-config", "adapter_config.json"))
+    shutil.copytree(good, os.path.join(out, "broken-weights"))
+    with open(os.path.join(out, "broken-weights", "adapter_model.safetensors"), "wb") as f:
+        f.write(b"not a safetensors file" * 4)
+    dims = module_dims(model, ("q_proj", "v_proj"))
+    make_adapter(os.path.join(out, "rank-256"), dims, rank=256, alpha=256, seed=1,
+                 base_model="tiny")
+    make_adapter(os.path.join(out, "wrong-base"), {k: (2 * i, 2 * o) for k, (i, o) in dims.items()},
+                 rank=8, alpha=16, seed=2, base_model="some/bigger-model")
+    make_adapter(os.path.join(out, "bad-target"),
+                 {**dims, "model.layers.0.self_attn.rotary_proj": (128, 128)},
+                 rank=8, alpha=16, seed=3, base_model="tiny")
+    shutil.copytree(good, os.path.join(out, "dora"))
+    cfg_path = os.path.join(out, "dora", "adapter_config.json")
+    cfg = json.load(open(cfg_path))
+    json.dump({**cfg, "use_dora": True}, open(cfg_path, "w"))

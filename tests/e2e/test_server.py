@@ -1,0 +1,163 @@
+"""`vllm serve MODEL --plugin loraserve ...` as typed: adapter listing and
+residency, bad input, runtime loading, per-adapter metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import openai
+import pytest
+
+from vllm_loraserve.adapters.peft import inspect_adapter
+
+from .bad_adapters import EXPECTED_REASONS, build_bad_adapters
+from .server import metric_samples, vllm_server
+
+pytestmark = pytest.mark.e2e
+BASE = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_assets, tmp_path_factory):
+    bad = tmp_path_factory.mktemp("bad")
+    build_bad_adapters(tiny_assets, str(bad))
+    adapters = os.path.join(tiny_assets, "adapters")
+    args = ["--plugin", "loraserve", "--served-model-name", BASE,
+            "--max-lora-rank", "128", "--max-loras", "2", "--max-cpu-loras", "3",
+            "--loraserve-adapter-dir", adapters, "--loraserve-adapter-dir", str(bad),
+            "--lora-modules", f"static-ok={adapters}/adapter-001-r16",
+            f"static-bad={bad}/rank-256"]
+    with vllm_server(os.path.join(tiny_assets, "model"), args,
+                     str(tmp_path_factory.mktemp("log")),
+                     env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as url:
+        yield url
+
+
+def _complete(url, model, prompt="Hello there", max_tokens=4):
+    return httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+
+
+def _adapters(url):
+    r = httpx.get(f"{url}/loraserve/v1/adapters", timeout=60)
+    assert r.status_code == 200
+    return {a["name"]: a for a in r.json()["adapters"]}
+
+
+def test_models_lists_servable_adapters_only(server, tiny_assets):
+    ids = {m["id"] for m in httpx.get(f"{server}/v1/models").json()["data"]}
+    records = json.load(open(os.path.join(tiny_assets, "adapters.json")))
+    assert ids == {BASE, "static-ok", *(r["name"] for r in records)}
+
+
+def test_adapter_listing_fields(server, tiny_assets):
+    listed = _adapters(server)
+    for r in json.load(open(os.path.join(tiny_assets, "adapters.json"))):
+        a = listed[r["name"]]
+        spec = inspect_adapter(os.path.join(tiny_assets, r["path"]))
+        assert a["status"] == "ready" and a["source"] == "adapter-dir"
+        assert (a["rank"], a["alpha"]) == (r["rank"], r["alpha"])
+        assert a["target_modules"] == sorted(r["target_modules"])
+        assert a["size_bytes"] == spec.size_bytes > 0
+        assert a["residency"] in ("disk", "host", "gpu")
+    assert listed["static-ok"]["source"] == "lora-modules"
+    assert listed["static-bad"]["status"] == "invalid"
+    for name, reason in EXPECTED_REASONS.items():
+        assert listed[name]["status"] == "invalid" and reason in listed[name]["error"]
+    one = httpx.get(f"{server}/loraserve/v1/adapters/adapter-002-r32").json()
+    assert one["rank"] == 32
+    assert httpx.get(f"{server}/loraserve/v1/adapters/nope").status_code == 404
+
+
+def test_residency_follows_use(server):
+    """2 device slots, 3 host slots: the LRU moves an adapter gpu -> host -> disk."""
+    x = "adapter-005-r8"
+    assert _complete(server, x).status_code == 200
+    assert _adapters(server)[x]["residency"] == "gpu"
+    for other in ("adapter-002-r32", "adapter-003-r64"):
+        assert _complete(server, other).status_code == 200
+    assert _adapters(server)[x]["residency"] == "host"
+    for other in ("adapter-004-r128", "adapter-000-r8"):
+        assert _complete(server, other).status_code == 200
+    listed = _adapters(server)
+    assert listed[x]["residency"] == "disk"
+    tiers = [a["residency"] for a in listed.values() if a["status"] == "ready"]
+    assert tiers.count("gpu") <= 2 and tiers.count("gpu") + tiers.count("host") <= 3
+
+
+@pytest.mark.parametrize("name", [*EXPECTED_REASONS, "static-bad"])
+def test_bad_adapter_gets_400_with_reason_and_others_keep_serving(server, name):
+    r = _complete(server, name)
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert f"LoRA adapter '{name}' cannot be served" in message
+    assert EXPECTED_REASONS.get(name, "rank 256") in message
+    assert _complete(server, "adapter-001-r16").status_code == 200
+    assert _complete(server, BASE).status_code == 200
+
+
+def test_unknown_adapter_is_404(server):
+    r = _complete(server, "no-such-adapter")
+    assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
+
+
+def test_runtime_load_checks_and_unload_frees(server, tiny_assets, tmp_path):
+    bad = tmp_path / "bad"
+    build_bad_adapters(tiny_assets, str(bad))
+    r = httpx.post(f"{server}/v1/load_lora_adapter",
+                   json={"lora_name": "late-bad", "lora_path": str(bad / "wrong-base")})
+    assert r.status_code == 400 and "does not fit this base model" in r.json()["error"]["message"]
+    assert _complete(server, "late-bad").status_code == 400
+
+    good = os.path.join(tiny_assets, "adapters", "adapter-003-r64")
+    r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": good})
+    assert r.status_code == 200, r.text
+    assert _complete(server, "late").status_code == 200
+    assert _adapters(server)["late"]["source"] == "runtime"
+
+    r = httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "late"})
+    assert r.status_code == 200, r.text
+    assert "late" not in _adapters(server)
+    assert _complete(server, "late").status_code == 404
+    r = httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "late-bad"})
+    assert r.status_code == 200 and "late-bad" not in _adapters(server)
+
+
+def _delta(after, before, name, **labels):
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_per_adapter_metrics(server):
+    before = metric_samples(server)
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x")
+    a, b = "adapter-001-r16", "adapter-004-r128"
+    usage = {a: [0, 0], b: [0, 0], BASE: [0, 0]}
+    for model, prompt in ((a, "one two"), (a, "three four five"), (BASE, "six")):
+        u = client.completions.create(model=model, prompt=prompt, max_tokens=5,
+                                      temperature=0).usage
+        usage[model][0] += u.prompt_tokens
+        usage[model][1] += u.completion_tokens
+    stream = client.chat.completions.create(
+        model=b, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
+        stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.usage:
+            usage[b] = [chunk.usage.prompt_tokens, chunk.usage.completion_tokens]
+    after = metric_samples(server)
+
+    assert _delta(after, before, "loraserve_adapter_requests_total",
+                  adapter=a, finished_reason="length") == 2
+    for model, (prompt, gen) in usage.items():
+        assert _delta(after, before, "loraserve_adapter_prompt_tokens_total",
+                      adapter=model) == prompt
+        assert _delta(after, before, "loraserve_adapter_generation_tokens_total",
+                      adapter=model) == gen
+    assert all("," not in dict(labels).get("adapter", "") for _, labels in after)
+    assert after[("loraserve_adapters", (("state", "invalid"),))] == len(EXPECTED_REASONS) + 1
+    loads = {dict(labels)["adapter"] for name, labels in after
+             if name == "loraserve_adapter_loads_total"}
+    assert {a, b} <= loads
+    assert after[("loraserve_adapter_load_seconds_count", (("tier", "host"),))] >= 2

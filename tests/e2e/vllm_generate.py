@@ -1,0 +1,43 @@
+"""Run one vLLM engine on a batch and dump greedy tokens and logprobs (JSON).
+
+    python vllm_generate.py spec.json out.json
+
+A separate process per engine: vLLM's plugin loading and our patches are
+process-global. spec: {"model", "engine": {LLM kwargs}, "max_tokens",
+"requests": [{"prompt_ids", "lora_name", "lora_path"}]}. Every request is
+submitted in one `generate` call so they share batches.
+"""
+
+import json
+import sys
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    spec = json.load(open(sys.argv[1]))
+    llm = LLM(model=spec["model"], dtype="float32", enable_lora=True, seed=0,
+              max_model_len=256, **spec["engine"])
+    ids: dict[str, int] = {}
+    loras = []
+    for r in spec["requests"]:
+        if r["lora_name"] is None:
+            loras.append(None)
+        else:
+            lora_id = ids.setdefault(r["lora_name"], len(ids) + 1)
+            loras.append(LoRARequest(r["lora_name"], lora_id, r["lora_path"]))
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=1,
+                            ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in spec["requests"]],
+                        params, lora_request=loras, use_tqdm=False)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        result.append({"token_ids": list(c.token_ids),
+                       "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]})
+    json.dump(result, open(sys.argv[2], "w"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""`vllm serve --plugin loraserve --loraserve-*`: parsing and activation,
+through vLLM's own serve parser and EngineArgs."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_loraserve.frontend import args as cli
+
+
+@pytest.fixture(scope="module")
+def serve_parser():
+    from vllm_loraserve.plugin import register
+
+    register()
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+def _engine_args(parser, argv):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs.from_cli_args(parser.parse_args(argv))
+
+
+def test_flags_reach_additional_config(serve_parser, tmp_path):
+    ea = _engine_args(serve_parser, ["m", "--plugin", "loraserve", "--enable-lora",
+                                     "--loraserve-adapter-dir", str(tmp_path),
+                                     "--loraserve-adapter-dir", "/x"])
+    assert ea.additional_config["loraserve"] == {"adapter_dirs": [str(tmp_path), "/x"]}
+
+
+def test_without_plugin_nothing_changes(serve_parser):
+    ea = _engine_args(serve_parser, ["m", "--enable-lora"])
+    assert "loraserve" not in (ea.additional_config or {})
+    assert not ea.worker_extension_cls
+
+
+def test_flags_merge_over_additional_config(serve_parser):
+    ea = _engine_args(serve_parser, [
+        "m", "--plugin", "loraserve", "--additional-config",
+        '{"loraserve": {"adapter_dirs": ["/a"]}, "other": 1}',
+        "--loraserve-adapter-dir", "/b"])
+    assert ea.additional_config == {"loraserve": {"adapter_dirs": ["/b"]}, "other": 1}
+
+
+def test_loraserve_flag_without_plugin_is_an_error(serve_parser):
+    with pytest.raises(ValueError, match="need --plugin loraserve"):
+        _engine_args(serve_parser, ["m", "--loraserve-adapter-dir", "/a"])
+
+
+def test_unknown_plugin_is_an_error(serve_parser):
+    with pytest.raises(ValueError, match=r"unknown --plugin \['other'\]"):
+        _engine_args(serve_parser, ["m", "--plugin", "other"])
+
+
+def _activate(**kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    ea = EngineArgs(model="m", **kw)
+    cli.activate(ea)
+    return ea
+
+
+def test_activate_wires_worker_extension(tmp_path):
+    ea = _activate(enable_lora=True,
+                   additional_config={"loraserve": {"adapter_dirs": [str(tmp_path)]}})
+    assert ea.worker_extension_cls == cli.WORKER_EXTENSION
+    assert cli.active_config().adapter_dirs == [str(tmp_path)]
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"enable_lora": False, "additional_config": {"loraserve": {}}}, "add --enable-lora"),
+    ({"enable_lora": True, "additional_config": {"loraserve": {"adapter_dirs": ["/no/such"]}}},
+     "not a directory"),
+    ({"enable_lora": True, "additional_config": {"loraserve": {"bogus": 1}}},
+     r"unknown loraserve option\(s\) \['bogus'\]"),
+    ({"enable_lora": True, "worker_extension_cls": "my.Ext",
+      "additional_config": {"loraserve": {}}}, "cannot be combined with my.Ext"),
+])
+def test_activate_refuses(kw, message):
+    with pytest.raises(ValueError, match=message):
+        _activate(**kw)
+
+
+def test_unsupported_vllm_version_refuses():
+    from vllm_loraserve.compat import UnsupportedVLLMVersion, check_supported
+
+    assert check_supported("0.26.3") == "0.26.3"
+    assert check_supported("0.27.0+cpu") == "0.27.0+cpu"
+    for v in ("0.25.1", "0.28.0", "dev"):
+        with pytest.raises(UnsupportedVLLMVersion, match=r"supports vLLM 0\.26\.x or 0\.27\.x"):
+            check_supported(v)
+
+
+def test_register_on_unsupported_vllm(monkeypatch):
+    """--plugin loraserve on an unsupported vLLM stops with the reason;
+    otherwise the plugin stays out of the way."""
+    import vllm
+
+    from vllm_loraserve import plugin
+
+    monkeypatch.setattr(vllm, "__version__", "0.30.0")
+    monkeypatch.setattr("sys.argv", ["vllm", "serve", "m", "--plugin", "loraserve"])
+    with pytest.raises(SystemExit, match="0.30.0"):
+        plugin.register()
+    monkeypatch.setattr("sys.argv", ["vllm", "serve", "m"])
+    plugin.register()  # logs, raises nothing

@@ -1,0 +1,77 @@
+"""The API server's adapter catalogue."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import torch
+
+from vllm_loraserve.adapters.peft import ModelLoRAInfo, write_adapter
+from vllm_loraserve.frontend.catalog import AdapterCatalog, scan_adapter_dir
+
+MODEL = ModelLoRAInfo({"q_proj": frozenset({(8, 8)})}, max_rank=8)
+
+
+def _adapter(path, rank=4):
+    w = {"model.layers.0.self_attn.q_proj": (torch.ones(rank, 8), torch.ones(8, rank))}
+    write_adapter(str(path), w, rank=rank, alpha=2 * rank, base_model="b")
+    return str(path)
+
+
+def _catalog():
+    calls = []
+
+    async def fetch():
+        calls.append(1)
+        return MODEL
+
+    return AdapterCatalog(fetch), calls
+
+
+def test_admit_valid_and_invalid(tmp_path):
+    cat, calls = _catalog()
+    ok = asyncio.run(cat.admit("ok", _adapter(tmp_path / "ok"), "runtime"))
+    bad = asyncio.run(cat.admit("big", _adapter(tmp_path / "big", rank=16), "adapter-dir"))
+    assert ok.spec is not None and ok.error is None
+    assert bad.spec is None and "rank 16" in bad.error
+    assert cat.invalid_reason("big") == bad.error and cat.invalid_reason("ok") is None
+    assert calls == [1]  # the model is asked once
+    assert cat.counts() == {"disk": 1, "host": 0, "gpu": 0, "invalid": 1}
+    assert bad.to_json()["status"] == "invalid" and ok.to_json()["rank"] == 4
+
+
+def test_refused_replacement_keeps_served_version(tmp_path):
+    cat, _ = _catalog()
+    asyncio.run(cat.admit("a", _adapter(tmp_path / "v1"), "runtime"))
+    cat.bind("a", 7)
+    refused = asyncio.run(cat.admit("a", _adapter(tmp_path / "v2", rank=16), "runtime"))
+    assert refused.error is not None
+    assert cat.entries["a"].spec is not None and cat.entries["a"].lora_int_id == 7
+
+
+def test_residency_and_ids(tmp_path):
+    cat, _ = _catalog()
+    for i, name in enumerate(["a", "b", "c"]):
+        asyncio.run(cat.admit(name, _adapter(tmp_path / name), "adapter-dir"))
+        cat.bind(name, i + 1)
+    cat.update_residency(gpu_ids=[1], host_ids=[2, 99])
+    assert [cat.entries[n].residency for n in "abc"] == ["gpu", "host", "disk"]
+    assert cat.name_of(2) == "b" and cat.name_of(99) is None
+    cat.forget("b")
+    assert cat.name_of(2) is None and "b" not in cat.entries
+
+
+def test_reject_marks_invalid(tmp_path):
+    cat, _ = _catalog()
+    asyncio.run(cat.admit("a", _adapter(tmp_path / "a"), "runtime"))
+    cat.reject("a", "vLLM said no")
+    assert cat.invalid_reason("a") == "vLLM said no" and cat.entries["a"].spec is None
+
+
+def test_scan_lists_every_visible_subdirectory(tmp_path):
+    _adapter(tmp_path / "b")
+    os.makedirs(tmp_path / "a-empty")
+    os.makedirs(tmp_path / ".hidden")
+    (tmp_path / "file.txt").write_text("x")
+    assert [n for n, _ in scan_adapter_dir(str(tmp_path))] == ["a-empty", "b"]
