@@ -7,7 +7,8 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # pip's configured extra indexes here lack most projects and warn per package
-QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
+# (sed, not grep: it exits 0 on empty output, so pipefail still sees pip fail)
+QUIET_PIP := sed '/is ignored: it is neither a file nor a directory/d'
 
 .PHONY: setup demo test
 setup: $(VENV)/.installed
@@ -25,4 +26,5 @@ demo: setup
 	$(BIN)/loraserve demo
 
 test: setup
+	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest

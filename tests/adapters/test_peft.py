@@ -155,7 +155,8 @@ def test_unsupported_target_module(tmp_path):
 def test_wrong_base_model(tmp_path):
     dims = {"model.layers.0.self_attn.q_proj": (32, 32)}
     spec = inspect_adapter(_write(tmp_path / "a", dims=dims))
-    with pytest.raises(AdapterError, match="does not fit this base model.*in=32, out=32.*test/base"):
+    with pytest.raises(AdapterError,
+                       match="does not fit this base model.*in=32, out=32.*test/base"):
         check_against_model(spec, MODEL)
 
 

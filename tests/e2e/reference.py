@@ -21,7 +21,8 @@ class Request:
 
 
 def run_vllm(tmp_path, model: str, requests: list[Request], engine: dict, max_tokens: int):
-    """Greedy tokens and their logprobs from vLLM, in a fresh process."""
+    """{"outputs": greedy tokens and logprobs per request, "lora_modules": the
+    workers' module table or None} from vLLM, in a fresh process."""
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
     json.dump({"model": model, "engine": engine, "max_tokens": max_tokens,
                "requests": [r.__dict__ for r in requests]}, open(spec_path, "w"))
@@ -82,7 +83,7 @@ def mismatches(ref: HFReference, req: Request, out: dict, atol: float = 1e-4) ->
     """
     lp = ref.logprobs(req, out["token_ids"])
     problems = []
-    for i, (tok, vlp) in enumerate(zip(out["token_ids"], out["logprobs"])):
+    for i, (tok, vlp) in enumerate(zip(out["token_ids"], out["logprobs"], strict=True)):
         best = int(lp[i].argmax())
         if tok != best and lp[i, best] - lp[i, tok] > atol:
             problems.append(f"step {i}: token {tok} but reference argmax {best} "

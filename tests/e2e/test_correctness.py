@@ -15,7 +15,13 @@ import random
 
 import pytest
 
-from vllm_loraserve.demo.assets import make_adapter, module_dims
+from vllm_loraserve.adapters.peft import (
+    AdapterError,
+    ModelLoRAInfo,
+    check_against_model,
+    inspect_adapter,
+)
+from vllm_loraserve.demo.assets import ALL_TARGETS, make_adapter, module_dims
 
 from .reference import HFReference, Request, mismatches, run_vllm
 
@@ -33,19 +39,23 @@ def _tokenizer_size(model_dir: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def llama_case(tiny_assets):
+def llama_case(tiny_assets, tmp_path_factory):
     model = os.path.join(tiny_assets, "model")
     records = json.load(open(os.path.join(tiny_assets, "adapters.json")))
+    adapters = [(r["name"], os.path.join(tiny_assets, r["path"])) for r in records]
+    # Llama also takes LoRA on the output head and the input embedding.
+    head = str(tmp_path_factory.mktemp("head") / "head-embed-r16")
+    make_adapter(head, module_dims(model, ("lm_head", "embed_tokens", "v_proj")), rank=16,
+                 alpha=8, seed=11, base_model="tiny")
+    adapters.append(("head-embed-r16", head))
     rng, vocab = random.Random(0), _tokenizer_size(model)
     reqs = []
     for i in range(2):
-        for r in records:
-            reqs.append(Request(_prompt(rng, vocab), r["name"],
-                                os.path.join(tiny_assets, r["path"])))
+        reqs += [Request(_prompt(rng, vocab), name, path) for name, path in adapters]
         reqs.insert(i * 3, Request(_prompt(rng, vocab)))
     reqs.append(Request(_prompt(rng, vocab)))
-    # 6 adapters over 5 slots: all slots busy, and the 6th waits for a free one.
-    engine = {"max_loras": 5, "max_lora_rank": 128, "max_cpu_loras": 6, "max_num_seqs": 32}
+    # 7 adapters over 5 slots: all slots busy, the others wait for a free one.
+    engine = {"max_loras": 5, "max_lora_rank": 128, "max_cpu_loras": 7, "max_num_seqs": 32}
     return model, reqs, engine
 
 
@@ -59,12 +69,13 @@ def _check_all(ref, reqs, outs, only=lambda r: True):
 
 def test_plugin_matches_hf_peft_on_every_rank_with_base_requests(llama_case, tmp_path):
     model, reqs, engine = llama_case
-    outs = run_vllm(tmp_path, model, reqs, {**engine, "additional_config": {"loraserve": {}}},
-                    MAX_TOKENS)
-    problems = _check_all(HFReference(model), reqs, outs)
+    run = run_vllm(tmp_path, model, reqs, {**engine, "additional_config": {"loraserve": {}}},
+                   MAX_TOKENS)
+    problems = _check_all(HFReference(model), reqs, run["outputs"])
     assert not problems, "\n".join(problems)
+    _check_module_table(model, run["lora_modules"], ALL_TARGETS + ("lm_head", "embed_tokens"))
     ranks = {int(r.lora_name.rsplit("-r", 1)[1]) for r in reqs if r.lora_name}
-    assert ranks == {8, 16, 32, 64, 128}
+    assert ranks == {8, 16, 32, 64, 128} and any(r.lora_name == "head-embed-r16" for r in reqs)
     assert sum(r.lora_name is None for r in reqs) == 3
 
 
@@ -72,7 +83,7 @@ def test_stock_vllm_cpu_applies_an_adapter_to_base_requests(llama_case, tmp_path
     """The same batch without the plugin: adapter requests are right, base
     requests are not. If vLLM fixes vllm#48421 this fails: drop worker/cpu_ops.py."""
     model, reqs, engine = llama_case
-    outs = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS)
+    outs = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS)["outputs"]
     ref = HFReference(model)
     assert not _check_all(ref, reqs, outs, only=lambda r: r.lora_name is not None)
     assert _check_all(ref, reqs, outs, only=lambda r: r.lora_name is None)
@@ -103,6 +114,23 @@ def test_other_architecture_rslora_partial_targets(qwen_assets, tmp_path_factory
     rng.shuffle(reqs)
     engine = {"max_loras": 3, "max_lora_rank": 32, "max_cpu_loras": 3, "max_num_seqs": 16,
               "additional_config": {"loraserve": {}}}
-    outs = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS)
-    problems = _check_all(HFReference(model), reqs, outs)
+    run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS)
+    problems = _check_all(HFReference(model), reqs, run["outputs"])
     assert not problems, "\n".join(problems)
+    # vLLM's Qwen2 takes no LoRA on lm_head / embed_tokens: such adapters are refused.
+    _check_module_table(model, run["lora_modules"], ALL_TARGETS)
+    head = str(tmp_path_factory.mktemp("qwen-head") / "head")
+    make_adapter(head, module_dims(model, ("lm_head",)), rank=8, alpha=8, seed=0, base_model="q")
+    info = ModelLoRAInfo.from_wire(run["lora_modules"], max_rank=32)
+    with pytest.raises(AdapterError, match=r"unsupported target module\(s\) \['lm_head'\]"):
+        check_against_model(inspect_adapter(head), info)
+
+
+def _check_module_table(model: str, table: dict, expected: tuple[str, ...]) -> None:
+    """The workers' table (packed qkv/gate_up split back into PEFT names) has
+    exactly the HF model's shapes for every module vLLM adapts."""
+    assert set(table) == set(expected)
+    hf = module_dims(model, expected)
+    for name, shapes in table.items():
+        assert {tuple(s) for s in shapes} == {v for k, v in hf.items()
+                                              if k.rsplit(".", 1)[-1] == name}, name

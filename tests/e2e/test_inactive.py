@@ -19,7 +19,8 @@ def test_server_without_plugin_is_stock_vllm(tiny_assets, tmp_path):
     args = ["--max-lora-rank", "128", "--lora-modules", f"a={good}"]
     with vllm_server(os.path.join(tiny_assets, "model"), args, str(tmp_path)) as url:
         assert httpx.get(f"{url}/loraserve/v1/adapters").status_code == 404
-        r = httpx.post(f"{url}/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 3})
+        r = httpx.post(f"{url}/v1/completions",
+                       json={"model": "a", "prompt": "hi", "max_tokens": 3})
         assert r.status_code == 200
         assert metric_samples(url) == {}
         log = open(tmp_path / "server.log").read()

@@ -5,7 +5,8 @@
 A separate process per engine: vLLM's plugin loading and our patches are
 process-global. spec: {"model", "engine": {LLM kwargs}, "max_tokens",
 "requests": [{"prompt_ids", "lora_name", "lora_path"}]}. Every request is
-submitted in one `generate` call so they share batches.
+submitted in one `generate` call so they share batches. With the plugin on,
+the output also holds the workers' LoRA module table (loraserve_lora_modules).
 """
 
 import json
@@ -31,11 +32,14 @@ def main() -> None:
                             ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in spec["requests"]],
                         params, lora_request=loras, use_tqdm=False)
-    result = []
+    result = {"outputs": [], "lora_modules": None}
     for o in outs:
         c = o.outputs[0]
-        result.append({"token_ids": list(c.token_ids),
-                       "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]})
+        result["outputs"].append({
+            "token_ids": list(c.token_ids),
+            "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]})
+    if "loraserve" in spec["engine"].get("additional_config", {}):
+        result["lora_modules"] = llm.collective_rpc("loraserve_lora_modules")[0]
     json.dump(result, open(sys.argv[2], "w"))
 
 

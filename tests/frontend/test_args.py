@@ -108,3 +108,21 @@ def test_register_on_unsupported_vllm(monkeypatch):
         plugin.register()
     monkeypatch.setattr("sys.argv", ["vllm", "serve", "m"])
     plugin.register()  # logs, raises nothing
+
+
+def test_register_is_idempotent(serve_parser):
+    """vLLM may load general plugins more than once per process."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+    from vllm_loraserve._patching import original
+    from vllm_loraserve.plugin import register
+
+    before = [EngineArgs.__dict__["from_cli_args"].__func__,
+              LoRAModelRunnerMixin.__dict__["load_lora_model"]]
+    register()
+    register()
+    after = [EngineArgs.__dict__["from_cli_args"].__func__,
+             LoRAModelRunnerMixin.__dict__["load_lora_model"]]
+    assert after == before
+    assert all(original(f) is not f and original(original(f)) is original(f) for f in after)

@@ -16,7 +16,13 @@ import time
 import httpx
 import pytest
 
-from vllm_loraserve.demo.assets import ALL_TARGETS, build_adapters, build_model, make_adapter, module_dims
+from vllm_loraserve.demo.assets import (
+    ALL_TARGETS,
+    build_adapters,
+    build_model,
+    make_adapter,
+    module_dims,
+)
 
 from ..e2e.server import metric_samples, vllm_server
 

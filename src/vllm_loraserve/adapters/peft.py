@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,19 +240,24 @@ def write_adapter(
     alpha: float,
     base_model: str,
     use_rslora: bool = False,
+    embeddings: Collection[str] = (),
 ) -> None:
     """Write a PEFT LoRA adapter directory.
 
     `weights` maps a full module path (e.g. `model.layers.0.self_attn.q_proj`)
-    to (A [rank, in], B [out, rank]) torch tensors.
+    to (A [rank, in], B [out, rank]) torch tensors; modules named in
+    `embeddings` are written as embedding LoRA (A [rank, vocab], B [dim, rank]).
     """
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
     tensors = {}
     for module, (a, b) in weights.items():
-        tensors[f"{_PREFIX}{module}.lora_A.weight"] = a.contiguous()
-        tensors[f"{_PREFIX}{module}.lora_B.weight"] = b.contiguous()
+        if module in embeddings:  # PEFT keeps these as bare parameters
+            names = (f"{_PREFIX}{module}.lora_embedding_A", f"{_PREFIX}{module}.lora_embedding_B")
+        else:
+            names = (f"{_PREFIX}{module}.lora_A.weight", f"{_PREFIX}{module}.lora_B.weight")
+        tensors[names[0]], tensors[names[1]] = a.contiguous(), b.contiguous()
     targets = sorted({short_name(m) for m in weights})
     config = {
         "peft_type": "LORA",

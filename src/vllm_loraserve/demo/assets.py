@@ -20,7 +20,10 @@ from vllm_loraserve.adapters.peft import short_name, write_adapter
 
 DEMO_RANKS = (8, 16, 32, 64, 128)
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SPECIAL_TOKENS = ["<|pad|>", "<|unk|>", "<|begin|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+EMBEDDING_TARGETS = ("embed_tokens",)  # the input embedding's name in Llama and Qwen2
+SPECIAL_TOKENS = [
+    "<|pad|>", "<|unk|>", "<|begin|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>",
+]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -182,19 +185,24 @@ def build_model(out_dir: str, preset: str = "tiny", seed: int = 0) -> None:
 
 
 def module_dims(model_dir: str, targets: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-    """Full module path -> (in_features, out_features) for the target modules,
-    read from the model's own architecture (built on the meta device)."""
+    """Full module path -> (in, out) for the target modules, read from the
+    model's own architecture (built on the meta device). Embeddings count as
+    (vocab, dim), the shape PEFT's embedding LoRA uses."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return {
-        name: (mod.in_features, mod.out_features)
-        for name, mod in model.named_modules()
-        if isinstance(mod, torch.nn.Linear) and short_name(name) in targets
-    }
+    dims = {}
+    for name, mod in model.named_modules():
+        if short_name(name) not in targets:
+            continue
+        if isinstance(mod, torch.nn.Linear):
+            dims[name] = (mod.in_features, mod.out_features)
+        elif isinstance(mod, torch.nn.Embedding):
+            dims[name] = (mod.num_embeddings, mod.embedding_dim)
+    return dims
 
 
 @dataclass(frozen=True)
@@ -226,13 +234,17 @@ def make_adapter(
 
     g = torch.Generator().manual_seed(seed)
     scaling = alpha / (math.sqrt(rank) if use_rslora else rank)
-    weights = {}
+    weights, embeddings = {}, []
     for module, (n_in, n_out) in sorted(dims.items()):
-        a = torch.randn(rank, n_in, generator=g) / math.sqrt(n_in)
+        embedding = short_name(module) in EMBEDDING_TARGETS
+        # An embedding's input is one-hot: unit-variance A rows, not 1/sqrt(vocab).
+        a = torch.randn(rank, n_in, generator=g) / (1.0 if embedding else math.sqrt(n_in))
         b = torch.randn(n_out, rank, generator=g) * (strength / (scaling * math.sqrt(rank)))
         weights[module] = (a, b)
+        if embedding:
+            embeddings.append(module)
     write_adapter(path, weights, rank=rank, alpha=alpha, base_model=base_model,
-                  use_rslora=use_rslora)
+                  use_rslora=use_rslora, embeddings=embeddings)
 
 
 def build_adapters(

@@ -60,7 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            help=f.metadata["help"], **extra)
 
 
-def config_from_args(args: argparse.Namespace, base: dict[str, Any] | None) -> dict[str, Any] | None:
+def config_from_args(
+    args: argparse.Namespace, base: dict[str, Any] | None
+) -> dict[str, Any] | None:
     """The `additional_config["loraserve"]` dict the command line asks for.
 
     Flags given on the command line override the same keys of an

@@ -86,7 +86,8 @@ def lora_module_shapes(adapter_manager: Any) -> dict[str, list[tuple[int, int]]]
             pairs = [(short, (module.hidden_size, base.org_vocab_size))]
         elif short in packed:
             outs = list(base.output_sizes)
-            pairs = [(sub, (base.input_size, o)) for sub, o in zip(packed[short], outs, strict=True)]
+            pairs = [(sub, (base.input_size, o))
+                     for sub, o in zip(packed[short], outs, strict=True)]
         else:
             pairs = [(short, (base.input_size, base.output_size))]
         for sub, shape in pairs:
