@@ -1,0 +1,157 @@
+"""What the LoRA kernels read besides activations and the page pool.
+
+- `SlotTable`: per adapter slot, its rank, segment offsets and page ids
+  (paging/layout.py). Shared by every layer and module of a step.
+- `TokenBatch`: the step's tokens grouped by slot and cut into work blocks
+  of at most `block_m` tokens, one slot per block. Tokens without an adapter
+  are in no block, so the kernels never touch them. `TokenBatchBuffers`
+  keeps them in persistent tensors for CUDA-graph replay.
+- `ModuleSlices`: which consecutive slices of the layout one vLLM LoRA layer
+  computes (qkv_proj: q, k, v) and where each lands in its output.
+
+All are built on the host once per step (or once per model) and handed to
+the kernels as device tensors. The kernels' grids depend on `max_blocks`
+and on `SlotTable.max_rank`, never on the ranks in the batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_loraserve.paging.layout import AdapterPlacement, LayerLayout
+
+
+@dataclass(frozen=True)
+class SlotTable:
+    rank: torch.Tensor  # [S] int32; 0 for an empty slot
+    seg_offsets: torch.Tensor  # [S, num_segments] int32; -1 where not targeted
+    pages: torch.Tensor  # [S, max_pages] int32
+    max_rank: int  # the largest rank any slot may hold (bounds kernel grids)
+
+    @classmethod
+    def build(
+        cls,
+        layout: LayerLayout,
+        slots: Sequence[tuple[AdapterPlacement, Sequence[int]] | None],
+        max_rank: int,
+        device: torch.device | str = "cpu",
+    ) -> SlotTable:
+        """`slots[i]` is (placement, page ids) of the adapter in slot i, or None."""
+        max_pages = max([len(s[1]) for s in slots if s is not None] + [1])
+        rank = np.zeros(len(slots), np.int32)
+        segs = np.full((len(slots), layout.num_segments), -1, np.int32)
+        pages = np.zeros((len(slots), max_pages), np.int32)
+        for i, s in enumerate(slots):
+            if s is None:
+                continue
+            placement, page_ids = s
+            if placement.rank > max_rank:
+                raise ValueError(f"slot {i}: rank {placement.rank} > max_rank {max_rank}")
+            if len(page_ids) != placement.num_pages:
+                raise ValueError(f"slot {i}: {len(page_ids)} pages for a placement that "
+                                 f"needs {placement.num_pages}")
+            rank[i] = placement.rank
+            segs[i] = placement.seg_offsets
+            pages[i, :len(page_ids)] = page_ids
+        as_t = functools.partial(torch.as_tensor, device=device)
+        return cls(as_t(rank), as_t(segs), as_t(pages), max_rank)
+
+
+def _group_tokens(token_slots, block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token indices grouped by slot (stable) and (slot, start, length) blocks."""
+    slots = np.asarray(token_slots.cpu() if isinstance(token_slots, torch.Tensor)
+                       else token_slots, dtype=np.int64)
+    with_adapter = np.flatnonzero(slots >= 0)
+    order = with_adapter[np.argsort(slots[with_adapter], kind="stable")]
+    blocks, start = [], 0
+    for slot, count in zip(*np.unique(slots[order], return_counts=True), strict=True):
+        for m in range(0, count, block_m):
+            blocks.append((slot, start + m, min(block_m, count - m)))
+        start += count
+    return order.astype(np.int32), np.array(blocks, np.int32).reshape(-1, 3)
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Invariant: rows [0, num_blocks) of `blocks` are the batch's blocks;
+    the kernels launch `max_blocks` programs and those beyond `num_blocks`
+    (read on the device) return at once."""
+
+    num_tokens: int
+    sorted_tokens: torch.Tensor  # [>= tokens with an adapter] int32, grouped by slot
+    blocks: torch.Tensor  # [max_blocks, 3] int32: (slot, start in sorted_tokens, length)
+    num_blocks_dev: torch.Tensor  # [1] int32, on the kernels' device
+    num_blocks: int
+    block_m: int
+
+    @classmethod
+    def build(cls, token_slots: Sequence[int] | np.ndarray | torch.Tensor, block_m: int,
+              device: torch.device | str = "cpu") -> TokenBatch:
+        """A batch in tensors of its own size (eager launches). `token_slots[t]`
+        is token t's slot, or -1 for no adapter."""
+        order, blocks = _group_tokens(token_slots, block_m)
+        as_t = functools.partial(torch.as_tensor, dtype=torch.int32, device=device)
+        return cls(len(token_slots), as_t(order), as_t(blocks), as_t([len(blocks)]),
+                   len(blocks), block_m)
+
+    @property
+    def max_blocks(self) -> int:
+        return self.blocks.shape[0]
+
+
+class TokenBatchBuffers:
+    """Persistent metadata buffers for CUDA-graph replay.
+
+    A graph captured with a batch from `fill` replays correctly for any later
+    `fill` of the same buffers with at most `max_tokens` tokens: the grid
+    (`max_blocks`) and every tensor address stay fixed; only contents change.
+    """
+
+    def __init__(self, max_tokens: int, max_slots: int, block_m: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.max_tokens, self.block_m = max_tokens, block_m
+        # Each slot adds at most one partial block.
+        max_blocks = -(-max_tokens // block_m) + min(max_tokens, max_slots)
+        self.sorted_tokens = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.blocks = torch.zeros(max_blocks, 3, dtype=torch.int32, device=device)
+        self.num_blocks = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def fill(self, token_slots: Sequence[int] | np.ndarray | torch.Tensor) -> TokenBatch:
+        if len(token_slots) > self.max_tokens:
+            raise ValueError(f"{len(token_slots)} tokens > buffer capacity {self.max_tokens}")
+        order, blocks = _group_tokens(token_slots, self.block_m)
+        self.sorted_tokens[:len(order)].copy_(torch.from_numpy(order))
+        self.blocks[:len(blocks)].copy_(torch.from_numpy(blocks))
+        self.num_blocks.fill_(len(blocks))
+        return TokenBatch(len(token_slots), self.sorted_tokens, self.blocks, self.num_blocks,
+                          len(blocks), self.block_m)
+
+
+@dataclass(frozen=True)
+class ModuleSlices:
+    """Slices `first .. first+count-1` of a layout, sharing one input."""
+
+    first: int
+    count: int
+    in_features: int
+    out_features: tuple[int, ...]
+
+    @classmethod
+    def of(cls, layout: LayerLayout, names: Sequence[str]) -> ModuleSlices:
+        idx = [layout.slice_index(n) for n in names]
+        if idx != list(range(idx[0], idx[0] + len(idx))):
+            raise ValueError(f"slices {list(names)} are not consecutive in the layout")
+        specs = [layout.slices[g] for g in idx]
+        if len({s.in_features for s in specs}) != 1:
+            raise ValueError(f"slices {list(names)} do not share one input size")
+        return cls(idx[0], len(idx), specs[0].in_features, tuple(s.out_features for s in specs))
+
+    @property
+    def out_offsets(self) -> tuple[int, ...]:
+        """Column of each slice's first output in the module's output."""
+        return tuple(int(x) for x in np.cumsum((0, *self.out_features))[:-1])

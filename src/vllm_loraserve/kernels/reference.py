@@ -1,0 +1,59 @@
+"""Torch reference of the paged LoRA kernels (same interface as the Triton
+backend). The tests hold the kernels to it, and the engine's CPU path runs it.
+
+Per slot, it reads each needed segment back to a dense matrix
+(paging/layout.read_segment) and multiplies in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_loraserve.kernels.batch import ModuleSlices, SlotTable, TokenBatch
+from vllm_loraserve.paging.layout import LayerLayout, read_segment
+
+
+def _slot_groups(batch: TokenBatch):
+    """(slot, token indices) per slot present in the batch."""
+    sorted_tokens = batch.sorted_tokens.long()
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for slot, start, length in batch.blocks[:batch.num_blocks].tolist():
+        groups.setdefault(slot, []).append((start, length))
+    for slot, spans in groups.items():
+        yield slot, torch.cat([sorted_tokens[s:s + n] for s, n in spans])
+
+
+class TorchBackend:
+    name = "torch"
+
+    def shrink(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, batch: TokenBatch,
+               slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
+        """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T; every other entry of h is 0."""
+        pages2d = pool.view(-1, layout.page_size)
+        h.zero_()
+        for slot, toks in _slot_groups(batch):
+            rank = int(slots.rank[slot])
+            for s in range(module.count):
+                seg = 2 * (module.first + s)
+                off = int(slots.seg_offsets[slot, seg])
+                if off < 0:
+                    continue
+                a = read_segment(layout, pages2d, slots.pages[slot], rank, off, seg)
+                h[s, toks, :rank] = x[toks].float() @ a.float().T
+
+    def expand(self, h: torch.Tensor, pool: torch.Tensor, y: torch.Tensor, batch: TokenBatch,
+               slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
+        """y[t, slice s columns] += h[s, t, :rank] @ Bt_{slot(t), s}; tokens
+        without an adapter and untargeted slices are left as they are."""
+        pages2d = pool.view(-1, layout.page_size)
+        for slot, toks in _slot_groups(batch):
+            rank = int(slots.rank[slot])
+            for s, (col, n_out) in enumerate(zip(module.out_offsets, module.out_features,
+                                                 strict=True)):
+                seg = 2 * (module.first + s) + 1
+                off = int(slots.seg_offsets[slot, seg])
+                if off < 0:
+                    continue
+                bt = read_segment(layout, pages2d, slots.pages[slot], rank, off, seg)
+                delta = h[s, toks, :rank].float() @ bt.float()
+                y[toks, col:col + n_out] += delta.to(y.dtype)

@@ -1,0 +1,179 @@
+"""How one adapter's weights sit in fixed-size pages: the single definition.
+
+Per layer, an adapter is a stream of *segments*, one pair per slice it adapts
+(a slice is one PEFT module: q_proj, k_proj, ..., down_proj):
+
+    A  segment: rank rows of `in_features`  elements  (row j = A[j, :])
+    Bt segment: rank rows of `out_features` elements  (row j = scaling * B[:, j])
+
+at the adapter's true rank (S-LoRA §5.1; B is stored transposed so both
+kernels read contiguous rows). Every row is padded to a multiple of `align`
+elements and `page_size` is a multiple of `align`, so a chunk of `align`
+elements (or of any divisor of it) that starts at a multiple of its size never
+crosses a page: a kernel looks a page up once per (row, chunk), not per element.
+
+An adapter only stores the slices it targets; `seg_offsets` holds -1 for the
+others. Element offset `o` of the stream lives in page `page_ids[o // page_size]`
+at position `o % page_size`. Every layer stores its stream in its own pool
+tensor under the same page ids (in the engine: one KV block id is one page in
+every layer's KV tensor), so one page list per adapter serves all layers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """One adapted linear map of a layer (a PEFT module such as q_proj)."""
+
+    name: str
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Segment geometry shared by every adapter of one model.
+
+    `slices` fixes the global slice order g = 0..n-1; segment 2g is slice g's
+    A, segment 2g+1 its Bt. Invariant: `page_size % align == 0`.
+    """
+
+    slices: tuple[SliceSpec, ...]
+    page_size: int  # elements per page
+    align: int = 256  # elements; row widths are padded to a multiple of this
+
+    def __post_init__(self) -> None:
+        if self.align <= 0 or self.page_size <= 0 or self.page_size % self.align:
+            raise ValueError(f"page_size {self.page_size} must be a positive multiple of "
+                             f"align {self.align}")
+        if len({s.name for s in self.slices}) != len(self.slices):
+            raise ValueError("slice names must be unique")
+
+    @property
+    def num_segments(self) -> int:
+        return 2 * len(self.slices)
+
+    def width(self, segment: int) -> int:
+        """Padded row width (elements) of a segment."""
+        s = self.slices[segment // 2]
+        return _round_up(s.out_features if segment % 2 else s.in_features, self.align)
+
+    def slice_index(self, name: str) -> int:
+        for g, s in enumerate(self.slices):
+            if s.name == name:
+                return g
+        raise KeyError(f"no slice {name!r} in this layout")
+
+    def place(self, rank: int, targets: Sequence[str]) -> AdapterPlacement:
+        """Where each targeted segment of a rank-`rank` adapter starts."""
+        if rank <= 0:
+            raise ValueError(f"rank must be positive, got {rank}")
+        present = {self.slice_index(t) for t in targets}
+        offsets, cursor = [], 0
+        for seg in range(self.num_segments):
+            if seg // 2 in present:
+                offsets.append(cursor)
+                cursor += rank * self.width(seg)
+            else:
+                offsets.append(-1)
+        return AdapterPlacement(rank, tuple(offsets), cursor, math.ceil(cursor / self.page_size))
+
+
+@dataclass(frozen=True)
+class AdapterPlacement:
+    """One adapter's stream geometry (identical in every layer)."""
+
+    rank: int
+    seg_offsets: tuple[int, ...]  # element offset per segment, -1 if not targeted
+    stream_len: int  # elements
+    num_pages: int
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def pack_layer(
+    layout: LayerLayout,
+    placement: AdapterPlacement,
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    scaling: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """One layer's stream: `num_pages * page_size` elements, on the weights'
+    device.
+
+    `weights` maps slice name -> (A [rank, in], B [out, rank]); scaling is
+    folded into Bt. Padding is zero.
+    """
+    device = next(iter(weights.values()))[0].device if weights else "cpu"
+    stream = torch.zeros(placement.num_pages * layout.page_size, dtype=dtype, device=device)
+    r = placement.rank
+    for name, (a, b) in weights.items():
+        g = layout.slice_index(name)
+        s = layout.slices[g]
+        if a.shape != (r, s.in_features) or b.shape != (s.out_features, r):
+            raise ValueError(f"{name}: A {tuple(a.shape)} / B {tuple(b.shape)} do not match "
+                             f"rank {r}, in {s.in_features}, out {s.out_features}")
+        for seg, rows in ((2 * g, a), (2 * g + 1, b.T * scaling)):
+            off = placement.seg_offsets[seg]
+            if off < 0:
+                raise ValueError(f"slice {name} is not in this adapter's placement")
+            w = layout.width(seg)
+            view = stream[off:off + r * w].view(r, w)
+            view[:, :rows.shape[1]] = rows.to(dtype)
+    return stream
+
+
+def write_pages(pool: torch.Tensor, page_ids: Sequence[int], stream: torch.Tensor,
+                page_size: int) -> None:
+    """Copy a packed stream into `pool` ([num_pages, page_size]) at `page_ids`."""
+    if len(page_ids) * page_size != stream.numel():
+        raise ValueError(f"{len(page_ids)} pages cannot hold {stream.numel()} elements")
+    idx = torch.as_tensor(list(page_ids), dtype=torch.long, device=pool.device)
+    pool[idx] = stream.view(len(page_ids), page_size).to(pool.device, pool.dtype)
+
+
+def read_segment(
+    layout: LayerLayout,
+    pool: torch.Tensor,
+    page_ids: torch.Tensor,
+    rank: int,
+    offset: int,
+    segment: int,
+) -> torch.Tensor:
+    """Rows [rank, width] of one segment (padding cut off), gathered from
+    `pool` ([num_pages, page_size]) through the adapter's `page_ids`."""
+    width = layout.width(segment)
+    n = rank * width
+    first, last = offset // layout.page_size, -(-(offset + n) // layout.page_size)
+    chunk = pool[page_ids[first:last].long()].reshape(-1)
+    start = offset - first * layout.page_size
+    s = layout.slices[segment // 2]
+    return chunk[start:start + n].view(rank, width)[:, :(s.out_features if segment % 2
+                                                         else s.in_features)]
+
+
+def read_layer(
+    layout: LayerLayout,
+    placement: AdapterPlacement,
+    pool: torch.Tensor,
+    page_ids: Sequence[int],
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The inverse of pack + write: slice name -> (A [rank, in], Bt [rank, out]),
+    Bt with the scaling folded in."""
+    ids = torch.as_tensor(list(page_ids), device=pool.device)
+    out = {}
+    for g, s in enumerate(layout.slices):
+        a_off, b_off = placement.seg_offsets[2 * g], placement.seg_offsets[2 * g + 1]
+        if a_off >= 0:
+            out[s.name] = (read_segment(layout, pool, ids, placement.rank, a_off, 2 * g),
+                           read_segment(layout, pool, ids, placement.rank, b_off, 2 * g + 1))
+    return out

@@ -1,0 +1,210 @@
+"""The paged LoRA kernels (Triton, interpreted on CPU) and the torch reference
+against dense math on the original weights: random mixes of ranks (1..64),
+token counts, tokens without adapters, partial adapters, empty slots,
+shuffled page orders and rows straddling pages."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from vllm_loraserve.kernels import get_backend, make_batch
+from vllm_loraserve.kernels.batch import ModuleSlices, SlotTable
+from vllm_loraserve.kernels.triton_mbgmm import Tiles, TritonBackend
+from vllm_loraserve.paging.layout import LayerLayout, SliceSpec, pack_layer, write_pages
+
+HIDDEN, KV, INTER = 64, 32, 96
+SLICES = (SliceSpec("q_proj", HIDDEN, HIDDEN), SliceSpec("k_proj", HIDDEN, KV),
+          SliceSpec("v_proj", HIDDEN, KV), SliceSpec("o_proj", HIDDEN, HIDDEN),
+          SliceSpec("gate_proj", HIDDEN, INTER), SliceSpec("up_proj", HIDDEN, INTER),
+          SliceSpec("down_proj", INTER, HIDDEN))
+MODULES = {"qkv": ["q_proj", "k_proj", "v_proj"], "o": ["o_proj"],
+           "gate_up": ["gate_proj", "up_proj"], "down": ["down_proj"]}
+MAX_RANK = 64
+
+
+def small_tiles(split_k):
+    # The test layout has align 16: every tile size must divide it.
+    return (lambda batch, k: Tiles(block_n=16, block_k=16, split_k=split_k),
+            lambda batch: Tiles(block_n=16, block_k=16))
+
+
+def backends():
+    out = [pytest.param(get_backend("torch"), id="torch")]
+    for split_k in (1, 3, 0):  # 0: automatic
+        out.append(pytest.param(TritonBackend(*small_tiles(split_k)), id=f"triton-split{split_k}"))
+    return out
+
+
+class Scenario:
+    """A pool with several adapters on shuffled pages and their dense weights."""
+
+    def __init__(self, seed, dtype, num_slots=5):
+        rng = random.Random(seed)
+        g = torch.Generator().manual_seed(seed)
+        self.layout = LayerLayout(SLICES, page_size=48, align=16)  # rows straddle pages
+        self.dtype = dtype
+        entries, self.dense = [], {}
+        placements = []
+        for slot in range(num_slots):
+            if slot == 2:  # an empty slot between used ones
+                entries.append(None)
+                continue
+            rank = rng.choice([1, 3, 8, 16, 17, 33, 64])
+            targets = [s.name for s in SLICES if rng.random() < 0.8] or ["q_proj"]
+            weights = {t: (torch.randn(rank, self._spec(t).in_features, generator=g) * 0.3,
+                           torch.randn(self._spec(t).out_features, rank, generator=g) * 0.3)
+                       for t in targets}
+            scaling = rng.choice([0.5, 2.0])
+            placement = self.layout.place(rank, targets)
+            placements.append((slot, placement, weights, scaling))
+            self.dense[slot] = {t: (a.to(dtype).float(), (b.T * scaling).to(dtype).float())
+                                for t, (a, b) in weights.items()}
+        total = sum(p.num_pages for _, p, _, _ in placements) + 5
+        self.pool = torch.full((total, self.layout.page_size), 7.0, dtype=dtype)
+        free = list(range(total))
+        rng.shuffle(free)
+        slot_entries = dict.fromkeys(range(num_slots))
+        for slot, placement, weights, scaling in placements:
+            ids = [free.pop() for _ in range(placement.num_pages)]
+            write_pages(self.pool, ids, pack_layer(self.layout, placement, weights, scaling,
+                                                   dtype), self.layout.page_size)
+            slot_entries[slot] = (placement, ids)
+        self.slots = SlotTable.build(self.layout, [slot_entries[i] for i in range(num_slots)],
+                                     MAX_RANK)
+        self.used_slots = sorted(self.dense)
+
+    def _spec(self, name):
+        return next(s for s in SLICES if s.name == name)
+
+    def token_slots(self, rng, n):
+        return [rng.choice(self.used_slots + [-1]) for _ in range(n)]
+
+
+def _dense_expected(sc, x, token_slots, names, y0):
+    """h [n, T, MAX_RANK] and y from dense math."""
+    module = ModuleSlices.of(sc.layout, names)
+    h = torch.zeros(len(names), x.shape[0], MAX_RANK)
+    y = y0.float().clone()
+    for t, slot in enumerate(token_slots):
+        if slot < 0:
+            continue
+        for s, name in enumerate(names):
+            if name not in sc.dense[slot]:
+                continue
+            a, bt = sc.dense[slot][name]
+            h[s, t, :a.shape[0]] = x[t].float() @ a.T
+            col = module.out_offsets[s]
+            y[t, col:col + bt.shape[1]] += h[s, t, :a.shape[0]] @ bt
+    return h, y
+
+
+@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("seed, num_tokens, block_m", [(0, 1, 16), (1, 9, 16), (2, 37, 16),
+                                                       (3, 40, 32)])
+def test_kernels_match_dense_math(backend, dtype, seed, num_tokens, block_m):
+    sc = Scenario(seed, dtype)
+    rng = random.Random(seed + 100)
+    token_slots = sc.token_slots(rng, num_tokens)
+    batch = make_batch(token_slots, block_m=block_m)
+    g = torch.Generator().manual_seed(seed)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    for names in MODULES.values():
+        module = ModuleSlices.of(sc.layout, names)
+        x = torch.randn(num_tokens, module.in_features, generator=g).to(dtype)
+        y0 = torch.randn(num_tokens, sum(module.out_features), generator=g).to(dtype)
+        want_h, want_y = _dense_expected(sc, x, token_slots, names, y0)
+        h = torch.full((len(names), num_tokens, MAX_RANK), 5.0)
+        backend.shrink(x, sc.pool, h, batch, sc.slots, module, sc.layout)
+        torch.testing.assert_close(h, want_h, **tol)
+        y = y0.clone()
+        backend.expand(want_h, sc.pool, y, batch, sc.slots, module, sc.layout)
+        torch.testing.assert_close(y.float(), want_y, **tol)
+        no_adapter = [t for t, s in enumerate(token_slots) if s < 0]
+        assert torch.equal(y[no_adapter], y0[no_adapter])  # bit-for-bit untouched
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_batch_without_adapters_is_a_no_op(backend):
+    sc = Scenario(5, torch.float32)
+    module = ModuleSlices.of(sc.layout, MODULES["qkv"])
+    batch = make_batch([-1, -1, -1])
+    x, y = torch.randn(3, HIDDEN), torch.randn(3, HIDDEN + 2 * KV)
+    h = torch.full((3, 3, MAX_RANK), 1.0)
+    backend.shrink(x, sc.pool, h, batch, sc.slots, module, sc.layout)
+    y0 = y.clone()
+    backend.expand(h, sc.pool, y, batch, sc.slots, module, sc.layout)
+    assert torch.equal(y, y0) and torch.all(h == 0)
+
+
+def test_a_wrong_page_is_detected():
+    """The comparison is sensitive to the gather: swapping two of an adapter's
+    pages changes the result."""
+    sc = Scenario(0, torch.float32)
+    slot = next(s for s in sc.used_slots if int(sc.slots.rank[s]) >= 8)
+    token_slots = [slot] * 4
+    module = ModuleSlices.of(sc.layout, MODULES["qkv"])
+    x = torch.randn(4, HIDDEN)
+    want, _ = _dense_expected(sc, x, token_slots, MODULES["qkv"],
+                              torch.zeros(4, HIDDEN + 2 * KV))
+    pages = sc.slots.pages.clone()
+    pages[slot, [0, 1]] = pages[slot, [1, 0]]
+    swapped = SlotTable(sc.slots.rank, sc.slots.seg_offsets, pages, MAX_RANK)
+    h = torch.zeros(3, 4, MAX_RANK)
+    get_backend("triton").__class__(*small_tiles(1)).shrink(
+        x, sc.pool, h, make_batch(token_slots), swapped, module, sc.layout)
+    assert not torch.allclose(h, want, atol=1e-3)
+
+
+def test_tiles_must_divide_align():
+    sc = Scenario(0, torch.float32)
+    module = ModuleSlices.of(sc.layout, MODULES["o"])
+    with pytest.raises(ValueError, match="does not divide the layout's align"):
+        TritonBackend().shrink(torch.randn(2, HIDDEN), sc.pool, torch.zeros(1, 2, MAX_RANK),
+                               make_batch([0, 0]), sc.slots, module, sc.layout)
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="unknown LoRA kernel backend 'cuda'"):
+        get_backend("cuda")
+
+
+def test_token_batch_groups_by_slot():
+    b = make_batch([3, -1, 0, 3, 0, 3, 3], block_m=2)
+    assert b.sorted_tokens.tolist() == [2, 4, 0, 3, 5, 6]
+    assert b.blocks.tolist() == [[0, 0, 2], [3, 2, 2], [3, 4, 2]]
+    assert b.num_blocks == b.max_blocks == 3 and b.num_blocks_dev.tolist() == [3]
+    assert make_batch([0] * 40).block_m == 64 and make_batch(list(range(8))).block_m == 16
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_persistent_buffers_refilled_with_a_smaller_batch(backend):
+    """What CUDA-graph replay relies on: the same buffers and grid, refilled
+    with a batch of fewer blocks, give that batch's result; the stale blocks
+    left behind the new count are ignored."""
+    from vllm_loraserve.kernels.batch import TokenBatchBuffers
+
+    sc = Scenario(4, torch.float32)
+    buffers = TokenBatchBuffers(max_tokens=40, max_slots=5, block_m=16)
+    names = MODULES["qkv"]
+    module = ModuleSlices.of(sc.layout, names)
+    rng = random.Random(9)
+    first = buffers.fill(sc.token_slots(rng, 40))
+    for n in (40, 9):
+        token_slots = sc.token_slots(rng, n)
+        batch = buffers.fill(token_slots)
+        assert batch.max_blocks == first.max_blocks and batch.blocks is first.blocks
+        x = torch.randn(n, HIDDEN)
+        y0 = torch.randn(n, HIDDEN + 2 * KV)
+        want_h, want_y = _dense_expected(sc, x, token_slots, names, y0)
+        h = torch.zeros(len(names), n, MAX_RANK)
+        backend.shrink(x, sc.pool, h, batch, sc.slots, module, sc.layout)
+        y = y0.clone()
+        backend.expand(h, sc.pool, y, batch, sc.slots, module, sc.layout)
+        torch.testing.assert_close(h, want_h, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(y, want_y, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="buffer capacity 40"):
+        buffers.fill([0] * 41)
