@@ -1,0 +1,229 @@
+"""Discrete-event simulation of K engines behind a router.
+
+Routing uses the same policy objects as the real router
+(cluster/placement): requests go to an engine drawn with the adapter's phi,
+or, for `toppings`, to the engine with the lowest cost score. Every
+`rebalance_s` the router closes a demand window (cluster/demand.py),
+recomputes the placement with the previous one as a hint, and migrates: each
+engine that newly holds an adapter fetches it, and routing switches once all
+those fetches are done (no request is routed to an engine before its adapter
+has arrived). The initial placement assumes equal demand for every adapter,
+or (`warm_start_s`) the demand of the trace's first seconds.
+
+Engines start with their initially placed adapters in host memory; a request
+for an adapter an engine does not hold makes it fetch the adapter first.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_loraserve.cluster.demand import DemandTracker
+from vllm_loraserve.cluster.placement import Assignment, PlacementInput, get_policy
+from vllm_loraserve.cluster.placement.toppings import ToppingsRouter
+from vllm_loraserve.perf.model import Profile
+from vllm_loraserve.sim.engine import EngineConfig, SimEngine, SimRequest
+from vllm_loraserve.workloads.trace import AdapterSpec, Request
+
+_ARRIVAL, _STEP_DONE, _FETCHED, _REBALANCE, _SWITCH = range(5)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    num_engines: int
+    policy: str = "loraserve"
+    rebalance_s: float | None = 30.0  # None: never rebalance
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    tbt_slo_s: float = 0.1  # Toppings' decode-latency SLO (its penalty threshold)
+    # Initial placement: equal demand for every adapter (0), or the demand of
+    # the trace's first `warm_start_s` seconds, as a router running before the
+    # trace began would have measured it.
+    warm_start_s: float = 0.0
+    seed: int = 0
+    max_time_s: float | None = None  # stop here (unfinished requests count as timed out)
+
+
+@dataclass
+class SimResult:
+    requests: list[SimRequest]
+    engines: list[SimEngine]
+    migrations: int  # (adapter, engine) pairs added by rebalancing
+    rebalances: int
+    on_demand_fetches: int  # fetches a request had to wait for
+    end_time: float
+    rejected: list[Request]
+
+    def finished(self) -> list[SimRequest]:
+        return [r for r in self.requests if r.finish >= 0]
+
+    def ttft(self) -> np.ndarray:
+        return np.array([r.first_token - r.req.arrival_s for r in self.requests
+                         if r.first_token >= 0])
+
+    def tpot(self) -> np.ndarray:
+        return np.array([(r.finish - r.first_token) / (r.req.output_len - 1)
+                         for r in self.requests if r.finish >= 0 and r.req.output_len > 1])
+
+    def summary(self, ttft_slo_s: float | None = None) -> dict:
+        """Latency percentiles over all requests; unfinished ones (timed out)
+        count as infinitely late."""
+        n = len(self.requests) + len(self.rejected)
+        ttft = np.concatenate([self.ttft(), np.full(n - len(self.ttft()), np.inf)])
+        done = self.finished()
+        span = max(self.end_time, 1e-9)
+        out = {
+            "requests": n, "finished": len(done), "rejected": len(self.rejected),
+            "ttft_mean_s": float(np.mean(self.ttft())) if len(self.ttft()) else float("inf"),
+            "ttft_p50_s": float(np.percentile(ttft, 50)),
+            "ttft_p95_s": float(np.percentile(ttft, 95)),
+            "ttft_p99_s": float(np.percentile(ttft, 99)),
+            "tpot_mean_s": float(np.mean(self.tpot())) if len(self.tpot()) else float("nan"),
+            "throughput_req_s": len(done) / span,
+            "throughput_tok_s": sum(r.req.prompt_len + r.req.output_len for r in done) / span,
+            "engine_ttft_p95_s": [self._engine_p95(e.index) for e in self.engines],
+            "engine_busy_frac": [e.busy_time / span for e in self.engines],
+            "engine_adapters_seen": [len(e.adapters_seen) for e in self.engines],
+            "fetches": sum(e.fetches for e in self.engines),
+            "on_demand_fetches": self.on_demand_fetches,
+            "device_loads": sum(e.device_loads for e in self.engines),
+            "migrations": self.migrations, "rebalances": self.rebalances,
+        }
+        if ttft_slo_s is not None:
+            out["ttft_slo_attainment"] = float(np.mean(ttft <= ttft_slo_s))
+        return out
+
+    def _engine_p95(self, index: int) -> float:
+        t = [r.first_token - r.req.arrival_s if r.first_token >= 0 else np.inf
+             for r in self.requests if r.engine == index]
+        return float(np.percentile(t, 95)) if t else 0.0
+
+
+class _PhiTable:
+    """Per adapter: cumulative phi for sampling an engine with one uniform draw."""
+
+    def __init__(self, assignment: Assignment) -> None:
+        self.engines = {a: [s for s, _ in e] for a, e in assignment.items()}
+        self.cum = {a: list(itertools.accumulate(p for _, p in e)) for a, e in assignment.items()}
+
+    def pick(self, adapter: str, u: float) -> int:
+        cum = self.cum[adapter]
+        return self.engines[adapter][min(bisect.bisect_right(cum, u * cum[-1]), len(cum) - 1)]
+
+
+def simulate(trace: Sequence[Request], catalog: Sequence[AdapterSpec], profile: Profile,
+             config: ClusterConfig) -> SimResult:
+    """Run the trace to completion (or `max_time_s`) and return what happened."""
+    if not profile.operating_points:
+        raise ValueError("the profile has no operating points: compute them first "
+                         "(perf.operating.with_operating_points)")
+    k = config.num_engines
+    engines = [SimEngine(i, profile, config.engine) for i in range(k)]
+    rank_of = {a.name: a.rank for a in catalog}
+    policy = get_policy(config.policy, config.seed)
+    ops = profile.operating_points
+    initial = dict.fromkeys(rank_of, 1.0)
+    if config.warm_start_s > 0:
+        initial = dict.fromkeys(rank_of, 0.0)
+        for req in trace:
+            if req.arrival_s > config.warm_start_s:
+                break
+            initial[req.adapter] += (req.prompt_len + req.output_len) / config.warm_start_s
+    assignment = policy.place(PlacementInput(catalog, initial, k, ops))
+    for name, entries in assignment.items():
+        for s, _ in entries:
+            engines[s].preload(name, rank_of[name])
+    table = _PhiTable(assignment)
+    toppings = (ToppingsRouter(profile.step, config.tbt_slo_s,
+                               float(np.mean([r.output_len for r in trace])) if trace else 1.0)
+                if config.policy == "toppings" else None)
+    demand = DemandTracker(config.rebalance_s or 1.0)
+    rng = np.random.default_rng(config.seed)
+
+    events: list = []
+    seq = itertools.count()
+
+    def push(t: float, kind: int, data) -> None:
+        heapq.heappush(events, (t, next(seq), kind, data))
+
+    for i, req in enumerate(trace):
+        push(req.arrival_s, _ARRIVAL, i)
+    if config.rebalance_s and trace:
+        push(config.rebalance_s, _REBALANCE, None)
+
+    states = [SimRequest(r) for r in trace]
+    rejected: list[Request] = []
+    pending_steps: dict[int, tuple] = {}
+    migrations = rebalances = on_demand_fetches = 0
+    remaining = len(trace)
+    now = 0.0
+
+    def kick(e: SimEngine, t: float) -> None:
+        if e.busy or not e.has_work():
+            return
+        duration, decode, chunks = e.build_step()
+        e.busy = True
+        e.steps += 1
+        e.busy_time += duration
+        pending_steps[e.index] = (decode, chunks)
+        push(t + duration, _STEP_DONE, e.index)
+
+    while events and remaining:
+        now, _, kind, data = heapq.heappop(events)
+        if config.max_time_s is not None and now > config.max_time_s:
+            now = config.max_time_s
+            break
+        if kind == _ARRIVAL:
+            r = states[data]
+            req = r.req
+            if req.prompt_len + req.output_len > config.engine.kv_capacity_tokens:
+                rejected.append(req)  # can never fit an engine's KV cache
+                remaining -= 1
+                continue
+            demand.record(req.adapter, req.prompt_len + req.output_len)
+            if toppings is not None:
+                s = toppings.route(req.rank, req.prompt_len, table.engines[req.adapter],
+                                   {i: engines[i].view() for i in table.engines[req.adapter]})
+            else:
+                s = table.pick(req.adapter, rng.random())
+            e = engines[s]
+            e.enqueue(r)
+            if not e.has_host(req.adapter):
+                on_demand_fetches += req.adapter not in e.fetch_ready
+                push(e.fetch(req.adapter, req.rank, now), _FETCHED, (s, req.adapter))
+            kick(e, now)
+        elif kind == _STEP_DONE:
+            e = engines[data]
+            decode, chunks = pending_steps.pop(data)
+            remaining -= len(e.finish_step(now, decode, chunks))
+            e.busy = False
+            kick(e, now)
+        elif kind == _FETCHED:
+            s, adapter = data
+            engines[s].fetched(adapter, rank_of[adapter])
+            kick(engines[s], now)
+        elif kind == _REBALANCE:
+            demand.roll()
+            new = policy.place(PlacementInput(catalog, demand.estimate(), k, ops, assignment))
+            rebalances += 1
+            ready = now
+            for name, entries in new.items():
+                old = {s for s, _ in assignment[name]}
+                for s, _ in entries:
+                    if s not in old:
+                        migrations += 1
+                        t = engines[s].fetch(name, rank_of[name], now)
+                        if t > now:
+                            push(t, _FETCHED, (s, name))
+                        ready = max(ready, t)
+            push(ready, _SWITCH, new)
+            assignment = new
+            push(now + config.rebalance_s, _REBALANCE, None)
+        elif kind == _SWITCH:
+            table = _PhiTable(data)
+    return SimResult(states, engines, migrations, rebalances, on_demand_fetches, now, rejected)
