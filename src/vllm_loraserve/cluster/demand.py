@@ -1,8 +1,13 @@
 """Per-adapter demand (tokens/s), as LoRAServe's placement step 1 needs it.
 
-Tokens are prompt + output tokens of requests that arrived in a window. The
-estimate for the next window extrapolates linearly from the last two:
-last + (last - previous), never below zero.
+Tokens are prompt + output tokens of the requests that arrived in a window.
+LoRAServe "extrapolates" each adapter's demand from its history without
+saying how; a window holds few requests per adapter (Poisson noise of
+1/sqrt(count)), so plain linear extrapolation from the last two windows
+doubles that noise. This tracker uses Holt's linear smoothing instead: a
+level (weight `alpha` on the new window) and a trend (weight `beta`), the
+estimate for the next window being level + trend, never below zero. It
+follows drifting demand (shifting skew) with a lag of a few windows.
 """
 
 from __future__ import annotations
@@ -11,27 +16,34 @@ from collections import defaultdict
 
 
 class DemandTracker:
-    def __init__(self, window_s: float) -> None:
-        if window_s <= 0:
-            raise ValueError("window_s must be positive")
-        self.window_s = window_s
+    def __init__(self, window_s: float, alpha: float = 0.5, beta: float = 0.3) -> None:
+        if window_s <= 0 or not 0 < alpha <= 1 or not 0 <= beta <= 1:
+            raise ValueError("need window_s > 0, 0 < alpha <= 1, 0 <= beta <= 1")
+        self.window_s, self.alpha, self.beta = window_s, alpha, beta
         self._current: dict[str, float] = defaultdict(float)
         self._last: dict[str, float] = {}
-        self._previous: dict[str, float] = {}
+        self._level: dict[str, float] = {}
+        self._trend: dict[str, float] = {}
 
     def record(self, adapter: str, tokens: int) -> None:
         self._current[adapter] += tokens
 
     def roll(self) -> None:
         """Close the current window (call every `window_s`)."""
-        self._previous = self._last
         self._last = {a: t / self.window_s for a, t in self._current.items()}
         self._current = defaultdict(float)
+        for a in set(self._level) | set(self._last):
+            x = self._last.get(a, 0.0)
+            if a not in self._level:
+                self._level[a], self._trend[a] = x, 0.0
+                continue
+            level = self.alpha * x + (1 - self.alpha) * (self._level[a] + self._trend[a])
+            self._trend[a] = (self.beta * (level - self._level[a])
+                              + (1 - self.beta) * self._trend[a])
+            self._level[a] = level
 
     def last_window(self) -> dict[str, float]:
         return dict(self._last)
 
     def estimate(self) -> dict[str, float]:
-        names = set(self._last) | set(self._previous)
-        return {a: max(0.0, 2 * self._last.get(a, 0.0) - self._previous.get(a, 0.0))
-                for a in names}
+        return {a: max(0.0, self._level[a] + self._trend[a]) for a in self._level}

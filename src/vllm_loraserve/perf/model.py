@@ -82,17 +82,20 @@ class Sample:
 
 
 def _lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
-    """Coefficients and R^2 of a least-squares fit (all-zero columns dropped)."""
+    """Coefficients and R^2 of a non-negative least-squares fit (a step never
+    gets cheaper with more work; all-zero columns dropped)."""
+    from scipy.optimize import nnls
+
     used = np.flatnonzero(np.abs(x).sum(axis=0) > 0)
     coef = np.zeros(x.shape[1])
-    coef[used] = np.linalg.lstsq(x[:, used], y, rcond=None)[0]
+    coef[used] = nnls(x[:, used], y)[0]
     resid = y - x @ coef
     total = ((y - y.mean()) ** 2).sum()
     return coef, float(1 - (resid @ resid) / total) if total > 0 else 1.0
 
 
 def fit(samples: Sequence[Sample], kind: str) -> tuple[StepModel, float]:
-    """Least-squares step model over all samples, and its R^2."""
+    """Non-negative least-squares step model over all samples, and its R^2."""
     if len(samples) < len(FEATURES):
         raise ValueError(f"need at least {len(FEATURES)} samples, got {len(samples)}")
     x = np.stack([s.step.features(kind) for s in samples])

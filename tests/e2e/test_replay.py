@@ -1,0 +1,64 @@
+"""The replay client against the CPU demo server: its TTFT and TPOT agree with
+the server's own /metrics histograms within 10%."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from vllm_loraserve.bench import replay
+from vllm_loraserve.demo.assets import build_assets
+from vllm_loraserve.demo.run import Server, _free_port, server_command
+from vllm_loraserve.workloads import generators
+
+pytestmark = pytest.mark.e2e
+
+
+def _histogram_totals(url: str) -> dict[str, tuple[float, float]]:
+    """name -> (sum, count) of vLLM's latency histograms."""
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        if fam.name in ("vllm:time_to_first_token_seconds",
+                        "vllm:request_time_per_output_token_seconds"):
+            total = {s.name.rsplit("_", 1)[1]: s.value for s in fam.samples
+                     if s.name.endswith(("_sum", "_count"))}
+            out[fam.name] = (total["sum"], total["count"])
+    return out
+
+
+def test_replay_matches_server_metrics(tmp_path):
+    assets = tmp_path / "assets"
+    build_assets(str(assets), num_adapters=10)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = Server(server_command(str(assets / "model"), str(assets / "adapters"), port),
+                    str(tmp_path / "server.log"))
+    try:
+        server.wait_ready(url, timeout=300)
+        _, trace = generators.loraserve(25, rate=3, duration=15, input_range=(16, 96),
+                                        output_range=(8, 32), seed=11)
+        mapping = replay.map_by_rank(trace, replay.served_adapters(url))
+        before = _histogram_totals(url)
+        outcomes = asyncio.run(replay.replay(trace, url, model_for=lambda r: mapping[r.adapter],
+                                             progress=False))
+        after = _histogram_totals(url)
+    finally:
+        server.stop()
+    summary = replay.summarize(outcomes, slo_ttft_s=5.0)
+    assert summary["errors"] == 0 and summary["requests"] == len(trace)
+    assert summary["slo_attainment"] > 0 and set(summary["per_rank"]) == {"8", "16", "32", "64",
+                                                                          "128"}
+    assert all(o.output_tokens == o.output_len for o in outcomes)
+
+    def server_mean(name):
+        (s0, c0), (s1, c1) = before[name], after[name]
+        assert c1 - c0 == len(trace)
+        return (s1 - s0) / (c1 - c0)
+
+    assert summary["ttft_s"]["mean"] == pytest.approx(
+        server_mean("vllm:time_to_first_token_seconds"), rel=0.10)
+    assert summary["tpot_s"]["mean"] == pytest.approx(
+        server_mean("vllm:request_time_per_output_token_seconds"), rel=0.10)
