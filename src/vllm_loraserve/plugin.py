@@ -33,8 +33,9 @@ def register() -> None:
         return
 
     from vllm_loraserve.frontend import args, endpoint
-    from vllm_loraserve.worker import hooks
+    from vllm_loraserve.worker import hooks, rendezvous
 
     args.install()
     endpoint.install_gate()
     hooks.install()
+    rendezvous.install()

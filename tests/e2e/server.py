@@ -7,14 +7,14 @@ import os
 
 import httpx
 
-from vllm_loraserve.demo.run import Server, _free_port, vllm_executable
+from vllm_loraserve.process import Server, free_port, vllm_executable
 
 
 @contextlib.contextmanager
 def vllm_server(model: str, extra_args: list[str], log_dir: str, env: dict | None = None,
                 dtype: str = "float32", timeout: float = 300):
     """Yield the base URL of a running server; stop it by its PID afterwards."""
-    port = _free_port()
+    port = free_port()
     cmd = [vllm_executable(), "serve", model, "--enable-lora", "--dtype", dtype,
            "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port), *extra_args]
     server = Server(cmd, os.path.join(log_dir, "server.log"), env)

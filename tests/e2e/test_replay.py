@@ -11,7 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_loraserve.bench import replay
 from vllm_loraserve.demo.assets import build_assets
-from vllm_loraserve.demo.run import Server, _free_port, server_command
+from vllm_loraserve.demo.run import server_command
+from vllm_loraserve.process import Server, free_port
 from vllm_loraserve.workloads import generators
 
 pytestmark = pytest.mark.e2e
@@ -32,7 +33,7 @@ def _histogram_totals(url: str) -> dict[str, tuple[float, float]]:
 def test_replay_matches_server_metrics(tmp_path):
     assets = tmp_path / "assets"
     build_assets(str(assets), num_adapters=10)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = Server(server_command(str(assets / "model"), str(assets / "adapters"), port),
                     str(tmp_path / "server.log"))

