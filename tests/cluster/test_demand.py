@@ -21,6 +21,13 @@ def test_constant_demand_is_estimated_exactly():
     assert t.last_window() == {"a": pytest.approx(100.0)}
 
 
+def test_a_window_of_another_length_is_divided_by_its_real_length():
+    t = DemandTracker(10.0)
+    t.record("a", 50)
+    t.roll(elapsed_s=2.5)  # e.g. a rebalance asked for early
+    assert t.last_window() == {"a": pytest.approx(20.0)}
+
+
 def test_linear_ramp_is_followed():
     t = DemandTracker(10.0)
     _feed(t, [10.0 * i for i in range(1, 30)])

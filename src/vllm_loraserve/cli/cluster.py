@@ -1,9 +1,13 @@
-"""`loraserve place` (capacity planning) and `loraserve cluster ...`."""
+"""`loraserve place` (capacity planning) and `loraserve cluster up|demo`.
+
+Nothing here imports Ray: the launcher must set Ray's loopback mode first.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 
 from vllm_loraserve.cluster.placement import POLICIES, PlacementInput, check_assignment, get_policy
 from vllm_loraserve.perf.model import Profile, default_profile
@@ -36,7 +40,76 @@ def _place(a: argparse.Namespace) -> None:
                      indent=1))
 
 
+def _spec(a: argparse.Namespace, **overrides):
+    from vllm_loraserve.cluster.launch import ClusterSpec
+
+    fields = dict(engines=a.engines, model=a.model, adapters=a.adapters,
+                  served_model_name=a.served_model_name, policy=a.policy, host=a.host,
+                  port=a.port, rebalance_s=a.rebalance_s or None,
+                  health_interval_s=a.health_interval, restart_attempts=a.restart_attempts,
+                  transport=a.transport, workdir=a.workdir,
+                  serve_args=tuple(shlex.split(a.serve_args)), device=a.device,
+                  profile=a.profile)
+    return ClusterSpec(**{**fields, **overrides})
+
+
+def _up(a: argparse.Namespace) -> None:
+    from vllm_loraserve.cluster.launch import up
+
+    up(_spec(a))
+
+
+def _demo(a: argparse.Namespace) -> None:
+    import sys
+
+    from vllm_loraserve.demo.cluster import run_cluster_demo
+
+    sys.exit(run_cluster_demo(a))
+
+
+def _cluster_args(p: argparse.ArgumentParser, demo: bool) -> None:
+    if not demo:
+        p.add_argument("--model", required=True, help="model path or name for every engine")
+        p.add_argument("--adapters", required=True,
+                       help="directory of PEFT adapter directories (served by name)")
+        p.add_argument("--served-model-name", help="the base model's API name")
+        p.add_argument("--workdir", default=".loraserve-cluster",
+                       help="logs, engine stores, registered adapters (default: %(default)s)")
+        p.add_argument("--serve-args", default="",
+                       help='extra `vllm serve` arguments, e.g. "--max-loras 8 --dtype half"')
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--policy", choices=sorted(POLICIES), default="loraserve")
+    p.add_argument("--host", default="127.0.0.1", help="the router's address")
+    p.add_argument("--port", type=int, default=8000 if not demo else 0,
+                   help="the router's port (0 picks a free one)")
+    p.add_argument("--rebalance-s", type=float, default=30.0,
+                   help="seconds between placements (0: only at start and on faults)")
+    p.add_argument("--health-interval", type=float, default=2.0)
+    p.add_argument("--restart-attempts", type=int, default=3,
+                   help="restarts of a dead engine before it is left down")
+    p.add_argument("--transport", choices=["tcp", "rdma"], default="tcp",
+                   help="adapter transport between engines (rdma: not implemented yet)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--profile", help="`loraserve profile` output (default: built-in model)")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("cluster", help="a Ray router over several vllm serve engines")
+    csub = c.add_subparsers(dest="cluster_command", required=True)
+    p = csub.add_parser("up", help="start Ray (loopback only), the engines and the router; "
+                        "Ctrl-C stops everything")
+    _cluster_args(p, demo=False)
+    p.set_defaults(func=_up)
+    p = csub.add_parser("demo", help="the embedded default on a cluster: tiny model, 25 "
+                        "adapters, 2 CPU engines, requests through the router")
+    _cluster_args(p, demo=True)
+    p.add_argument("--workdir", default=".loraserve-cluster-demo")
+    p.add_argument("--num-adapters", type=int, default=25)
+    p.add_argument("--requests", type=int, default=80)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.set_defaults(func=_demo)
+
     p = sub.add_parser("place", help="print an adapter placement (JSON) for capacity planning")
     p.add_argument("--policy", choices=sorted(POLICIES), default="loraserve")
     p.add_argument("--adapters", required=True, help='JSON list of {"name", "rank"}')

@@ -28,9 +28,11 @@ class DemandTracker:
     def record(self, adapter: str, tokens: int) -> None:
         self._current[adapter] += tokens
 
-    def roll(self) -> None:
-        """Close the current window (call every `window_s`)."""
-        self._last = {a: t / self.window_s for a, t in self._current.items()}
+    def roll(self, elapsed_s: float | None = None) -> None:
+        """Close the current window (call every `window_s`; a window closed
+        early or late passes its real length as `elapsed_s`)."""
+        window = elapsed_s if elapsed_s and elapsed_s > 0 else self.window_s
+        self._last = {a: t / window for a, t in self._current.items()}
         self._current = defaultdict(float)
         for a in set(self._level) | set(self._last):
             x = self._last.get(a, 0.0)

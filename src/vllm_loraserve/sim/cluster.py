@@ -16,7 +16,6 @@ for an adapter an engine does not hold makes it fetch the adapter first.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 from collections.abc import Sequence
@@ -25,8 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_loraserve.cluster.demand import DemandTracker
-from vllm_loraserve.cluster.placement import Assignment, PlacementInput, get_policy
+from vllm_loraserve.cluster.placement import PlacementInput, get_policy
 from vllm_loraserve.cluster.placement.toppings import ToppingsRouter
+from vllm_loraserve.cluster.routing import RoutingTable
 from vllm_loraserve.perf.model import Profile
 from vllm_loraserve.sim.engine import EngineConfig, SimEngine, SimRequest
 from vllm_loraserve.workloads.trace import AdapterSpec, Request
@@ -104,18 +104,6 @@ class SimResult:
         return float(np.percentile(t, 95)) if t else 0.0
 
 
-class _PhiTable:
-    """Per adapter: cumulative phi for sampling an engine with one uniform draw."""
-
-    def __init__(self, assignment: Assignment) -> None:
-        self.engines = {a: [s for s, _ in e] for a, e in assignment.items()}
-        self.cum = {a: list(itertools.accumulate(p for _, p in e)) for a, e in assignment.items()}
-
-    def pick(self, adapter: str, u: float) -> int:
-        cum = self.cum[adapter]
-        return self.engines[adapter][min(bisect.bisect_right(cum, u * cum[-1]), len(cum) - 1)]
-
-
 def simulate(trace: Sequence[Request], catalog: Sequence[AdapterSpec], profile: Profile,
              config: ClusterConfig) -> SimResult:
     """Run the trace to completion (or `max_time_s`) and return what happened."""
@@ -138,7 +126,7 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterSpec], profile: 
     for name, entries in assignment.items():
         for s, _ in entries:
             engines[s].preload(name, rank_of[name])
-    table = _PhiTable(assignment)
+    table = RoutingTable(assignment)
     toppings = (ToppingsRouter(profile.step, config.tbt_slo_s,
                                float(np.mean([r.output_len for r in trace])) if trace else 1.0)
                 if config.policy == "toppings" else None)
@@ -187,8 +175,8 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterSpec], profile: 
                 continue
             demand.record(req.adapter, req.prompt_len + req.output_len)
             if toppings is not None:
-                s = toppings.route(req.rank, req.prompt_len, table.engines[req.adapter],
-                                   {i: engines[i].view() for i in table.engines[req.adapter]})
+                s = toppings.route(req.rank, req.prompt_len, table.engines(req.adapter),
+                                   {i: engines[i].view() for i in table.engines(req.adapter)})
             else:
                 s = table.pick(req.adapter, rng.random())
             e = engines[s]
@@ -225,5 +213,5 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterSpec], profile: 
             assignment = new
             push(now + config.rebalance_s, _REBALANCE, None)
         elif kind == _SWITCH:
-            table = _PhiTable(data)
+            table = RoutingTable(data)
     return SimResult(states, engines, migrations, rebalances, on_demand_fetches, now, rejected)

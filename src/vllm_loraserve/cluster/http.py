@@ -1,0 +1,238 @@
+"""The router's HTTP API (FastAPI, served by uvicorn inside the router actor).
+
+OpenAI-compatible: `/v1/models`, `/v1/completions`, `/v1/chat/completions`
+(streaming too), proxied to the chosen engine; `/health`, `/metrics`. Admin:
+`/admin/status`, `/admin/adapters` (list, register, unregister),
+`/admin/placement` (read, override), `/admin/rebalance`,
+`/admin/engines/{i}/restart`.
+
+A request that fails before its first byte (engine down) is retried once on
+another engine that holds the adapter; a failure after that ends the stream
+with an error event. Every response names its engine in `x-loraserve-engine`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from vllm_loraserve.adapters.peft import AdapterError, inspect_adapter
+from vllm_loraserve.cluster.placement import check_assignment
+from vllm_loraserve.cluster.router import RouterCore
+from vllm_loraserve.cluster.store import check_name
+from vllm_loraserve.workloads.trace import AdapterSpec
+
+_RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse(status_code=status,
+                        content={"error": {"message": message, "type": kind, "code": status}})
+
+
+def _usage_tokens(payload: dict) -> int:
+    u = payload.get("usage") or {}
+    return int(u.get("prompt_tokens", 0)) + int(u.get("completion_tokens", 0))
+
+
+def build_app(core: RouterCore, register_source=None) -> FastAPI:
+    """`register_source(name, path)` copies a newly registered adapter into the
+    adapter registry the engines fetch from."""
+    app = FastAPI(title="vllm-loraserve router")
+    client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        alive = core.live()
+        return JSONResponse(status_code=200 if alive else 503, content={"alive": alive})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        data = [{"id": core.base_model, "object": "model", "owned_by": "loraserve"}]
+        data += [{"id": a, "object": "model", "owned_by": "loraserve", "parent": core.base_model,
+                  "rank": r} for a, r in sorted(core.catalog.items())]
+        return {"object": "list", "data": data}
+
+    async def proxy(path: str, request: Request) -> Response:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict):
+            return _error(400, "the request body is not a JSON object", "BadRequestError")
+        model = body.get("model")
+        if not isinstance(model, str):
+            return _error(400, "give the model (base model or adapter name) as `model`",
+                          "BadRequestError")
+        if model in core.invalid:
+            return _error(400, f"adapter `{model}` cannot be served: {core.invalid[model]}",
+                          "BadRequestError")
+        if model != core.base_model and model not in core.catalog:
+            return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
+        stream = bool(body.get("stream"))
+        client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if stream:  # usage feeds the demand estimate; dropped again if not asked for
+            body["stream_options"] = {**(body.get("stream_options") or {}),
+                                      "include_usage": True}
+        tried: set[int] = set()
+        while True:
+            engine = await core.acquire(model, tried)
+            if engine is None:
+                return _error(503, f"no live engine can serve `{model}` right now",
+                              "ServiceUnavailable")
+            url = f"{core.engines[engine].url}{path}"
+            core.begin(model, engine)
+            try:
+                upstream = await client.send(client.build_request("POST", url, json=body),
+                                             stream=True)
+            except _RETRYABLE:
+                core.end(model, engine, "retried", 0)
+                core.suspect(engine)
+                tried.add(engine)
+                if len(tried) >= 2:
+                    return _error(503, f"engines {sorted(tried)} failed to answer",
+                                  "ServiceUnavailable")
+                core.metrics.retries.inc()
+                continue
+            headers = {"x-loraserve-engine": str(engine)}
+            if upstream.status_code != 200 or not stream:
+                try:
+                    content = await upstream.aread()
+                finally:
+                    await upstream.aclose()
+                try:
+                    payload = json.loads(content)
+                except json.JSONDecodeError:
+                    payload = {"error": {"message": content.decode(errors="replace")[:500]}}
+                status = "ok" if upstream.status_code == 200 else f"http_{upstream.status_code}"
+                core.end(model, engine, status, _usage_tokens(payload))
+                return JSONResponse(payload, status_code=upstream.status_code, headers=headers)
+            return StreamingResponse(_relay(upstream, model, engine, client_wants_usage),
+                                     media_type="text/event-stream", headers=headers)
+
+    async def _relay(upstream: httpx.Response, model: str, engine: int,
+                     forward_usage: bool) -> AsyncIterator[bytes]:
+        tokens, status = 0, "ok"
+        try:
+            async for line in upstream.aiter_lines():
+                if line.startswith("data: {") and '"usage"' in line:
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = _usage_tokens(chunk)
+                        if not chunk.get("choices") and not forward_usage:
+                            continue
+                yield (line + "\n").encode()
+        except _RETRYABLE as e:
+            status = "failed"
+            core.suspect(engine)
+            err = {"error": {"message": f"engine {engine} failed during the response: {e}",
+                             "type": "EngineFailure", "code": 502}}
+            yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            await upstream.aclose()
+            core.end(model, engine, status, tokens)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await proxy("/v1/chat/completions", request)
+
+    @app.get("/admin/status")
+    async def status() -> dict:
+        return core.status()
+
+    @app.get("/admin/adapters")
+    async def adapters() -> dict:
+        demand = core.demand.estimate()
+        return {"adapters": [{"name": a, "rank": r, "holders": sorted(core.holders.get(a, ())),
+                              "placement": core.assignment.get(a, []),
+                              "demand_tokens_per_s": demand.get(a, 0.0)}
+                             for a, r in sorted(core.catalog.items())]}
+
+    @app.post("/admin/adapters")
+    async def register(request: Request) -> JSONResponse:
+        """Body: {"name", "path"}: a PEFT adapter directory the router can read."""
+        try:
+            body = await request.json()
+            name, path = body.get("name"), body.get("path")
+        except (json.JSONDecodeError, AttributeError):
+            name = path = None
+        if not name or not path:
+            return _error(400, "give `name` and `path` in a JSON object", "BadRequestError")
+        try:
+            check_name(name)
+        except ValueError as e:
+            return _error(400, str(e), "BadRequestError")
+        if name in core.catalog:
+            return _error(409, f"adapter `{name}` is already registered", "ConflictError")
+        try:
+            spec = inspect_adapter(path)
+            if register_source is not None:
+                register_source(name, path)
+        except (AdapterError, ValueError) as e:
+            return _error(400, f"adapter `{name}` cannot be served: {e}", "BadRequestError")
+        await core.register(name, spec.rank)
+        if name in core.invalid:
+            return _error(400, f"adapter `{name}` cannot be served: {core.invalid[name]}",
+                          "BadRequestError")
+        return JSONResponse({"name": name, "rank": spec.rank,
+                             "holders": sorted(core.holders[name])})
+
+    @app.delete("/admin/adapters/{name}")
+    async def unregister(name: str) -> JSONResponse:
+        if name not in core.catalog:
+            return _error(404, f"unknown adapter `{name}`", "NotFoundError")
+        await core.unregister(name)
+        return JSONResponse({"name": name, "unregistered": True})
+
+    @app.get("/admin/placement")
+    async def placement() -> dict:
+        return core.status()["placement"]
+
+    @app.put("/admin/placement")
+    async def set_placement(request: Request) -> JSONResponse:
+        """Body: adapter -> [[engine, phi], ...]; adapters not named keep theirs.
+        The next periodic rebalance replaces it (run with --rebalance-s 0 to pin it)."""
+        try:
+            raw = await request.json()
+            given = {a: [(int(e), float(p)) for e, p in v] for a, v in raw.items()}
+            unknown = sorted(set(given) - set(core.catalog))
+            if unknown:
+                raise ValueError(f"unknown adapters {unknown[:5]}")
+            live = core.live()
+            if any(e not in live for v in given.values() for e, _ in v):
+                raise ValueError(f"placement names engines that are not alive (alive: {live})")
+            assignment = {**core.assignment, **given}
+            check_assignment(assignment, [AdapterSpec(a, r) for a, r in core.catalog.items()],
+                             max(core.engines) + 1)
+        except (ValueError, TypeError, AttributeError, json.JSONDecodeError) as e:
+            return _error(400, f"invalid placement: {e}", "BadRequestError")
+        added = await core.set_placement(assignment)
+        return JSONResponse({"added_pairs": added})
+
+    @app.post("/admin/rebalance")
+    async def rebalance() -> JSONResponse:
+        return JSONResponse({"added_pairs": await core.rebalance()})
+
+    @app.post("/admin/engines/{index}/restart")
+    async def restart(index: int) -> JSONResponse:
+        if index not in core.engines:
+            return _error(404, f"no engine {index}", "NotFoundError")
+        info = await core.engines[index].restart()
+        await core.check_now(index)
+        return JSONResponse(info)
+
+    app.state.core = core
+    return app

@@ -1,0 +1,259 @@
+"""`loraserve cluster up`: Ray on loopback, N engines, the router.
+
+Ray's components bind the machine's routable address by default, even when
+asked for 127.0.0.1 (`resolve_ip_for_localhost` replaces it). Ray's
+single-machine mode (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, the mode it uses
+on macOS and Windows) keeps every component on loopback; `start_ray` sets it
+before Ray is imported and refuses to go on if Ray was imported earlier.
+
+Each engine is a Ray actor owning one `vllm serve --plugin loraserve`
+process (cluster/engine.py); the router actor owns the state
+(cluster/router.py) and serves the HTTP API (cluster/http.py) with uvicorn
+on its own event loop, so routing needs no extra hop. Stopping stops the
+router, then every engine server by its PID, then Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import threading
+from dataclasses import dataclass
+
+from vllm_loraserve.cluster.engine import Engine, EngineSpec
+
+logger = logging.getLogger(f"vllm.{__name__}")
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+NAMESPACE = "loraserve"
+SUPPORTED_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    engines: int
+    model: str  # path or name given to every `vllm serve`
+    adapters: str  # directory of PEFT adapter directories (the source engines fetch from)
+    served_model_name: str | None = None  # the base model's API name (default: `model`)
+    policy: str = "loraserve"  # a placement policy name (cluster/placement)
+    host: str = "127.0.0.1"  # the router's address; engines always bind 127.0.0.1
+    port: int = 8000
+    rebalance_s: float | None = 30.0  # None: place at start and on faults only
+    health_interval_s: float = 2.0
+    restart_attempts: int = 3  # restarts of a dead engine before it is left down
+    transport: str = "tcp"  # adapter transport between engines (cluster/transport)
+    workdir: str = ".loraserve-cluster"  # logs, engine stores, registered adapters
+    serve_args: tuple[str, ...] = ()  # extra `vllm serve` arguments for every engine
+    device: str = "auto"  # "cpu", "cuda" or "auto"
+    profile: str | None = None  # `loraserve profile` output; default: the built-in model
+
+    @property
+    def base_model(self) -> str:
+        return self.served_model_name or self.model
+
+
+def start_ray(num_cpus: int) -> None:
+    os.environ[LOOPBACK_ENV] = "0"
+    import ray
+    from ray._private import ray_constants
+
+    if ray_constants.ENABLE_RAY_CLUSTER:
+        raise RuntimeError(f"Ray was imported before {LOOPBACK_ENV}=0 was set, so it would "
+                           "bind non-loopback addresses: start the cluster in a fresh process")
+    if not ray.is_initialized():
+        # log_to_driver: the router's events (engine down, restarts, refused
+        # adapters) reach the terminal; engine servers log to their own files.
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+                 namespace=NAMESPACE)
+
+
+class RayEngineHandle:
+    """`EngineHandle` over an engine actor. An engine method's exception is
+    raised as itself (not Ray's wrapper with the remote traceback), so the
+    router and its HTTP errors see e.g. `AdapterRejected` and its reason."""
+
+    def __init__(self, actor, info: dict) -> None:
+        self.actor = actor
+        self._set(info)
+
+    def _set(self, info: dict) -> None:
+        self.index, self.url = info["index"], info["url"]
+        self.transport_address, self.pid = info["transport_address"], info["pid"]
+
+    async def _call(self, method: str, *args):
+        from ray.exceptions import RayTaskError
+
+        try:
+            return await getattr(self.actor, method).remote(*args)
+        except RayTaskError as e:
+            if isinstance(e.cause, Exception):
+                raise e.cause from None
+            raise
+
+    async def health(self) -> bool:
+        info = await self._call("health")
+        self._set(info)
+        return info["ok"]
+
+    async def load(self, adapter: str) -> None:
+        await self._call("load", adapter)
+
+    async def unload(self, adapter: str) -> None:
+        await self._call("unload", adapter)
+
+    async def fetch_from_peer(self, address: str, adapter: str) -> dict:
+        return await self._call("fetch_from_peer", address, adapter)
+
+    async def fetch_from_source(self, adapter: str) -> dict:
+        return await self._call("fetch_from_source", adapter)
+
+    async def restart(self) -> dict:
+        info = await self._call("restart")
+        self._set(info)
+        return info
+
+
+class RouterActor:
+    async def start(self, spec: ClusterSpec, infos: list[dict], source_location: str,
+                    registry: str) -> str:
+        import ray
+        import uvicorn
+
+        from vllm_loraserve.cli.cluster import load_profile
+        from vllm_loraserve.cluster.http import build_app
+        from vllm_loraserve.cluster.router import RouterConfig, RouterCore
+        from vllm_loraserve.cluster.sources import LocalDirSource
+        from vllm_loraserve.cluster.store import AdapterStore
+
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s")
+        logging.getLogger("vllm.vllm_loraserve").setLevel(logging.INFO)
+        valid, invalid = LocalDirSource(source_location).scan()
+        for name, reason in invalid.items():
+            logger.error("adapter %s is not served: %s", name, reason)
+        catalog = {e.name: e.rank for e in valid}
+        if not catalog:
+            logger.warning("no servable adapter in %s: only the base model is served",
+                           source_location)
+        handles = {i["index"]: RayEngineHandle(ray.get_actor(f"engine-{i['index']}"), i)
+                   for i in infos}
+        profile = load_profile(spec.profile, set(catalog.values()) or {8})
+        self.core = RouterCore(handles, catalog, spec.base_model, profile, RouterConfig(
+            policy=spec.policy, rebalance_s=spec.rebalance_s,
+            health_interval_s=spec.health_interval_s, restart_attempts=spec.restart_attempts))
+        await self.core.start()
+        self.core.invalid.update(invalid)
+        registry_store = AdapterStore(registry)
+        app = build_app(self.core, register_source=registry_store.copy_in)
+        self.server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port,
+                                                    log_level="warning", lifespan="off"))
+        self.serve_task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if self.serve_task.done():
+                self.serve_task.result()  # raises why it failed (e.g. port in use)
+                raise RuntimeError("the router's HTTP server exited at start")
+            await asyncio.sleep(0.05)
+        self.loop_task = asyncio.create_task(self.core.run())
+        return f"http://{spec.host}:{spec.port}"
+
+    async def status(self) -> dict:
+        return self.core.status()
+
+    async def stop(self) -> None:
+        self.loop_task.cancel()
+        self.server.should_exit = True
+        await self.serve_task
+
+
+def _engine_env(index: int, device: str) -> dict[str, str]:
+    if device == "cpu":
+        cores = os.cpu_count() or 1
+        return {"VLLM_CPU_OMP_THREADS_BIND": str(index % cores),
+                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    import torch
+
+    return {"CUDA_VISIBLE_DEVICES": str(index % max(1, torch.cuda.device_count()))}
+
+
+def _device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+class Cluster:
+    """Start with `start()` (returns the router URL), end with `stop()`."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.actors: list = []
+        self.router = None
+
+    def start(self) -> str:
+        from vllm_loraserve.cluster.sources import LocalDirSource
+
+        spec = self.spec
+        workdir = os.path.abspath(spec.workdir)
+        registry = os.path.join(workdir, "registry")
+        os.makedirs(registry, exist_ok=True)
+        source = os.pathsep.join([os.path.abspath(spec.adapters), registry])
+        valid, _ = LocalDirSource(source).scan()
+        top_rank = max((e.rank for e in valid), default=8)
+        max_rank = next(r for r in SUPPORTED_RANKS if r >= top_rank)
+        device = _device(spec.device)
+        start_ray(num_cpus=max(2, os.cpu_count() or 2))
+        import ray  # after start_ray: Ray reads the loopback setting when imported
+        serve_args = ("--served-model-name", spec.base_model, "--max-lora-rank", str(max_rank),
+                      "--max-cpu-loras", str(max(8, len(valid))), *spec.serve_args)
+        engine_actor = ray.remote(num_cpus=0, max_concurrency=64)(Engine)
+        for i in range(spec.engines):
+            edir = os.path.join(workdir, f"engine-{i}")
+            shutil.rmtree(os.path.join(edir, "adapters"), ignore_errors=True)
+            os.makedirs(edir, exist_ok=True)
+            self.actors.append(engine_actor.options(name=f"engine-{i}").remote(EngineSpec(
+                index=i, model=spec.model, workdir=edir, serve_args=serve_args,
+                env=_engine_env(i, device), transport=spec.transport,
+                source=("local", source))))
+        logger.info("starting %d engines (logs in %s/engine-*/server.log)", spec.engines,
+                    workdir)
+        infos = ray.get([a.start.remote() for a in self.actors])
+        router_actor = ray.remote(num_cpus=0, max_concurrency=1000)(RouterActor)
+        self.router = router_actor.options(name="router").remote()
+        return ray.get(self.router.start.remote(spec, infos, source, registry))
+
+    def engine_pids(self) -> list[int]:
+        import ray
+
+        return [ray.get(a.pid.remote()) for a in self.actors]
+
+    def stop(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        try:
+            if self.router is not None:
+                ray.get(self.router.stop.remote(), timeout=30)
+        finally:
+            ray.get([a.stop.remote() for a in self.actors], timeout=120)
+            ray.shutdown()
+
+
+def up(spec: ClusterSpec) -> None:
+    """Run until SIGINT/SIGTERM, then stop everything."""
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    cluster = Cluster(spec)
+    try:
+        url = cluster.start()
+        print(f"router: {url}  (OpenAI API at {url}/v1, admin at {url}/admin/status); "
+              "Ctrl-C stops the cluster", flush=True)
+        done.wait()
+    finally:
+        print("stopping the router, the engines and Ray ...", flush=True)
+        cluster.stop()
+

@@ -1,0 +1,78 @@
+"""Where adapters come from before any engine holds them, by name.
+
+A source lists the adapters it can supply (validated PEFT adapters with their
+rank; invalid ones are reported with the reason, never placed) and copies one
+into an engine's store. `local`: a directory of PEFT adapter directories.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+from vllm_loraserve.adapters.peft import AdapterError, inspect_adapter
+from vllm_loraserve.cluster.store import AdapterStore, check_name
+from vllm_loraserve.frontend.catalog import scan_adapter_dir
+
+
+@dataclass(frozen=True)
+class SourceEntry:
+    name: str
+    rank: int
+    size_bytes: int
+
+
+class AdapterSource(Protocol):
+    name: str
+
+    def scan(self) -> tuple[list[SourceEntry], dict[str, str]]:
+        """(valid adapters, invalid name -> reason)."""
+        ...
+
+    def copy_to(self, adapter: str, store: AdapterStore) -> None: ...
+
+
+class LocalDirSource:
+    """Directories of PEFT adapters (`location`: roots joined by os.pathsep);
+    the first root holding a name wins."""
+
+    name = "local"
+
+    def __init__(self, location: str) -> None:
+        self.roots = [r for r in location.split(os.pathsep) if r]
+
+    def scan(self) -> tuple[list[SourceEntry], dict[str, str]]:
+        valid, invalid, seen = [], {}, set()
+        for root in self.roots:
+            if not os.path.isdir(root):
+                continue
+            for name, path in scan_adapter_dir(root):
+                if name in seen:
+                    continue
+                seen.add(name)
+                try:
+                    check_name(name)
+                    spec = inspect_adapter(path)
+                except (AdapterError, ValueError) as e:
+                    invalid[name] = str(e)
+                    continue
+                valid.append(SourceEntry(name, spec.rank, spec.size_bytes))
+        return valid, invalid
+
+    def copy_to(self, adapter: str, store: AdapterStore) -> None:
+        for root in self.roots:
+            path = os.path.join(root, check_name(adapter))
+            if os.path.isdir(path):
+                store.copy_in(adapter, path)
+                return
+        raise KeyError(f"no adapter {adapter!r} in {self.roots}")
+
+
+SOURCES = {"local": LocalDirSource}
+
+
+def make_source(kind: str, location: str) -> AdapterSource:
+    if kind not in SOURCES:
+        raise ValueError(f"unknown adapter source {kind!r}; available: {sorted(SOURCES)}")
+    return SOURCES[kind](location)

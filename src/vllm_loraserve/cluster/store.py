@@ -1,0 +1,72 @@
+"""An engine's local adapter store: the adapters this engine holds, as PEFT
+directories under one root (LoRAServe's per-engine share of the distributed
+adapter pool). vLLM loads from here; peers fetch from here.
+
+Invariant: a name is a plain directory name (no separators), so a name from
+the network can never address a path outside the root.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import tarfile
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+def check_name(name: str) -> str:
+    if not _NAME.match(name) or name in (".", ".."):
+        raise ValueError(f"invalid adapter name {name!r}")
+    return name
+
+
+class AdapterStore:
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        os.makedirs(self.root, exist_ok=True)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, check_name(name))
+
+    def has(self, name: str) -> bool:
+        return os.path.isdir(self.path(name))
+
+    def names(self) -> list[str]:
+        return sorted(n for n in os.listdir(self.root) if os.path.isdir(os.path.join(self.root, n)))
+
+    def tar(self, name: str) -> bytes:
+        """The adapter's files as an uncompressed tar (safetensors do not compress)."""
+        if not self.has(name):
+            raise KeyError(f"adapter {name!r} is not in this store")
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tf:
+            tf.add(self.path(name), arcname=name)
+        return buf.getvalue()
+
+    def put_tar(self, name: str, data: bytes) -> None:
+        """Unpack an adapter atomically (a reader never sees half of it)."""
+        final = self.path(name)
+        tmp = os.path.join(self.root, f".incoming-{name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tf:
+            members = tf.getmembers()
+            if not members or any(not (m.name == name or m.name.startswith(name + "/"))
+                                  for m in members):
+                raise ValueError(f"archive for {name!r} holds other paths")
+            tf.extractall(tmp, filter="data")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(os.path.join(tmp, name), final)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def copy_in(self, name: str, src: str) -> None:
+        shutil.copytree(src, self.path(name), dirs_exist_ok=True)
+
+    def remove(self, name: str) -> None:
+        shutil.rmtree(self.path(name), ignore_errors=True)
+
+    def size_bytes(self, name: str) -> int:
+        return sum(os.path.getsize(os.path.join(d, f))
+                   for d, _, files in os.walk(self.path(name)) for f in files)

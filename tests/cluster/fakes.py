@@ -1,0 +1,131 @@
+"""In-memory engines for router tests: `EngineHandle`s that record what the
+router asked of them, with switches for faults."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from vllm_loraserve.cluster.engine import AdapterRejected
+from vllm_loraserve.process import free_port
+
+
+@dataclass
+class FakeEngine:
+    index: int
+    world: list  # shared event log: (engine, verb, adapter[, source])
+    peers: dict  # transport address -> FakeEngine
+    url: str = ""
+    pid: int | None = None
+    up: bool = True
+    stored: set = field(default_factory=set)
+    loaded: set = field(default_factory=set)
+    refuse: dict = field(default_factory=dict)  # adapter -> reason (HTTP 400)
+    broken_loads: set = field(default_factory=set)  # adapter -> load fails (not 400)
+    restarts: int = 0
+    gate: object = None  # an asyncio.Event a restart waits for, if set
+
+    def __post_init__(self) -> None:
+        self.url = self.url or f"http://fake-{self.index}"
+        self.pid = 1000 + self.index
+        self.transport_address = f"fake:{self.index}"
+        self.peers[self.transport_address] = self
+
+    async def health(self) -> bool:
+        return self.up
+
+    async def load(self, adapter: str) -> None:
+        if not self.up:
+            raise ConnectionError(f"engine {self.index} is down")
+        if adapter in self.refuse:
+            raise AdapterRejected(self.refuse[adapter])
+        if adapter in self.broken_loads:
+            raise RuntimeError("HTTP 500")
+        assert adapter in self.stored, "vLLM loads from the store"
+        self.loaded.add(adapter)
+        self.world.append((self.index, "load", adapter))
+
+    async def unload(self, adapter: str) -> None:
+        self.loaded.discard(adapter)
+        self.stored.discard(adapter)
+        self.world.append((self.index, "unload", adapter))
+
+    async def fetch_from_peer(self, address: str, adapter: str) -> dict:
+        peer = self.peers[address]
+        assert adapter in peer.stored, f"peer {peer.index} does not hold {adapter}"
+        self.stored.add(adapter)
+        self.world.append((self.index, "fetch", adapter, f"peer-{peer.index}"))
+        return {"bytes": 1, "seconds": 0.001}
+
+    async def fetch_from_source(self, adapter: str) -> dict:
+        self.stored.add(adapter)
+        self.world.append((self.index, "fetch", adapter, "registry"))
+        return {"bytes": 1, "seconds": 0.001}
+
+    async def restart(self) -> dict:
+        if self.gate is not None:
+            await self.gate.wait()
+        self.restarts += 1
+        self.up = True
+        self.stored.clear()
+        self.loaded.clear()
+        return {"index": self.index}
+
+
+def fake_engines(n: int, urls: list[str] | None = None) -> tuple[dict[int, FakeEngine], list]:
+    world: list = []
+    peers: dict = {}
+    engines = {i: FakeEngine(i, world, peers, url=(urls[i] if urls else "")) for i in range(n)}
+    return engines, world
+
+
+def upstream_app(index: int):
+    """A stand-in for `vllm serve`: /v1/completions answers with its engine
+    index; streams when asked; the prompt "break" drops the connection after
+    the first chunk (an engine dying mid-response)."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+        choice = {"index": 0, "text": f"engine-{index}", "finish_reason": "length"}
+        if not body.get("stream"):
+            return {"model": body["model"], "choices": [choice], "usage": usage}
+
+        async def events():
+            yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+            if body.get("prompt") == "break":
+                raise RuntimeError("engine died")
+            if (body.get("stream_options") or {}).get("include_usage"):
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+class UpstreamServer:
+    """`upstream_app` served by uvicorn on 127.0.0.1 in a thread."""
+
+    def __init__(self, index: int) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(upstream_app(index), host="127.0.0.1",
+                                                    port=port, log_level="critical"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "fake upstream did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

@@ -1,0 +1,170 @@
+"""The router's HTTP API over in-memory engines whose `url` is a fake vLLM
+server: proxying (plain and streamed), demand accounting, retries, failures
+mid-stream, clear 4xx errors, and the admin routes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import httpx
+import pytest
+
+from tests.cluster.fakes import UpstreamServer, fake_engines
+from tests.cluster.test_router import profile
+from vllm_loraserve.cluster.http import build_app
+from vllm_loraserve.cluster.router import RouterConfig, RouterCore
+from vllm_loraserve.process import free_port
+
+CATALOG = {"a8": 8, "b8": 8, "c64": 64, "d128": 128}
+
+
+@pytest.fixture(scope="module")
+def upstreams():
+    servers = [UpstreamServer(0), UpstreamServer(1)]
+    yield [s.url for s in servers]
+    for s in servers:
+        s.stop()
+
+
+def run_router(urls, body, registry=None):
+    """Start a RouterCore over fake engines at `urls`, then run `body(client, core)`."""
+    async def main():
+        engines, _ = fake_engines(len(urls), urls)
+        core = RouterCore(engines, CATALOG, "base", profile(),
+                          RouterConfig(rebalance_s=None, health_failures=1,
+                                       restart_attempts=0))
+        await core.start()
+        app = build_app(core, register_source=registry)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://router") as client:
+            await body(client, core)
+        await core.settle()
+    asyncio.run(main())
+
+
+def sse(text: str) -> list:
+    return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_proxies_to_the_routed_engine_and_counts_demand(upstreams):
+    async def body(client, core):
+        await core.set_placement({**core.assignment, "a8": [(0, 0.5), (1, 0.5)]})
+        seen = set()
+        for _ in range(30):
+            r = await client.post("/v1/completions", json={"model": "a8", "prompt": "hi"})
+            assert r.status_code == 200
+            engine = r.headers["x-loraserve-engine"]
+            assert r.json()["choices"][0]["text"] == f"engine-{engine}"
+            seen.add(engine)
+        assert seen == {"0", "1"}
+        r = await client.post("/v1/completions", json={"model": "base", "prompt": "hi"})
+        assert r.status_code == 200
+        core.demand.roll()
+        assert core.demand.last_window()["a8"] * core.demand.window_s == 30 * 8
+        assert "base" not in core.demand.last_window()
+        assert core.inflight == {0: 0, 1: 0}
+    run_router(upstreams, body)
+
+
+def test_streaming_relays_events_and_hides_usage_unless_asked(upstreams):
+    async def body(client, core):
+        plain = await client.post("/v1/completions",
+                                  json={"model": "c64", "prompt": "hi", "stream": True})
+        events = sse(plain.text)
+        assert events[-1] == "[DONE]"
+        assert not any('"usage"' in e for e in events)
+        asked = await client.post("/v1/completions", json={
+            "model": "c64", "prompt": "hi", "stream": True,
+            "stream_options": {"include_usage": True}})
+        assert json.loads(sse(asked.text)[-2])["usage"]["total_tokens"] == 8
+        core.demand.roll()  # both streams fed the demand estimate
+        assert core.demand.last_window()["c64"] * core.demand.window_s == 16
+    run_router(upstreams, body)
+
+
+def test_bad_requests_get_clear_errors(upstreams):
+    async def body(client, core):
+        r = await client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+        assert r.status_code == 404 and "`nope` does not exist" in r.json()["error"]["message"]
+        r = await client.post("/v1/completions", content=b"{not json",
+                              headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+        r = await client.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 400 and "`model`" in r.json()["error"]["message"]
+        core.catalog.pop("d128")
+        core.invalid["d128"] = "rank 128 is above this server's maximum LoRA rank 64"
+        r = await client.post("/v1/chat/completions", json={"model": "d128", "messages": []})
+        assert r.status_code == 400 and "maximum LoRA rank 64" in r.json()["error"]["message"]
+    run_router(upstreams, body)
+
+
+def test_engine_refusing_connections_is_retried_on_another_holder(upstreams):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+    async def body(client, core):
+        await core.set_placement({**core.assignment, "b8": [(0, 0.5), (1, 0.5)]})
+        for _ in range(20):
+            r = await client.post("/v1/completions", json={"model": "b8", "prompt": "hi"})
+            assert r.status_code == 200 and r.headers["x-loraserve-engine"] == "1"
+        assert core.metrics.retries._value.get() > 0
+        assert core.metrics.requests.labels("b8", "0", "retried")._value.get() > 0
+        assert core.metrics.requests.labels("b8", "1", "ok")._value.get() == 20
+    run_router([dead, upstreams[1]], body)
+
+
+def test_engine_dying_mid_stream_ends_the_stream_with_an_error(upstreams):
+    async def body(client, core):
+        r = await client.post("/v1/completions",
+                              json={"model": "a8", "prompt": "break", "stream": True})
+        events = sse(r.text)
+        assert json.loads(events[0])["choices"][0]["text"].startswith("engine-")
+        err = json.loads(events[-2])["error"]
+        assert err["type"] == "EngineFailure" and "failed during the response" in err["message"]
+        assert events[-1] == "[DONE]"
+        engine = r.headers["x-loraserve-engine"]
+        assert core.metrics.requests.labels("a8", engine, "failed")._value.get() == 1
+        assert core.inflight[int(engine)] == 0
+    run_router(upstreams, body)
+
+
+def test_admin_routes(upstreams, tiny_assets, tmp_path):
+    copied = []
+
+    async def body(client, core):
+        status = (await client.get("/admin/status")).json()
+        assert status["alive"] == [0, 1] and set(status["placement"]) == set(CATALOG)
+        models = (await client.get("/v1/models")).json()["data"]
+        assert {m["id"]: m.get("rank") for m in models} == {"base": None, **CATALOG}
+
+        r = await client.put("/admin/placement", json={"a8": [[0, 0.25], [1, 0.75]]})
+        assert r.status_code == 200
+        assert (await client.get("/admin/placement")).json()["a8"] == [[0, 0.25], [1, 0.75]]
+        for bad, reason in [({"a8": [[0, 0.5]]}, "phi sums to 0.5"),
+                            ({"a8": [[7, 1.0]]}, "not alive"),
+                            ({"zz": [[0, 1.0]]}, "unknown adapters"),
+                            ({"a8": "zero"}, "invalid placement")]:
+            r = await client.put("/admin/placement", json=bad)
+            assert r.status_code == 400 and reason in r.json()["error"]["message"], bad
+
+        r = await client.post("/admin/adapters", json={"name": "late", "path": str(tmp_path)})
+        assert r.status_code == 400 and "cannot be served" in r.json()["error"]["message"]
+        r = await client.post("/admin/adapters", json={"name": "../up", "path": "x"})
+        assert r.status_code == 400 and "invalid adapter name" in r.json()["error"]["message"]
+        good = os.path.join(tiny_assets, "adapters", "adapter-001-r16")
+        r = await client.post("/admin/adapters", json={"name": "late", "path": good})
+        assert r.status_code == 200 and r.json()["rank"] == 16 and r.json()["holders"]
+        assert copied == [("late", good)]
+        r = await client.post("/admin/adapters", json={"name": "late", "path": good})
+        assert r.status_code == 409
+        assert (await client.delete("/admin/adapters/late")).status_code == 200
+        assert (await client.delete("/admin/adapters/late")).status_code == 404
+        assert "late" not in (await client.get("/admin/placement")).json()
+
+        text = (await client.get("/metrics")).text
+        for name in ("loraserve_router_engine_up", "loraserve_router_placement_phi",
+                     "loraserve_router_fetches_total", "loraserve_router_migrations_total"):
+            assert name in text
+        assert (await client.post("/admin/engines/9/restart")).status_code == 404
+    run_router(upstreams, body, registry=lambda name, path: copied.append((name, path)))

@@ -1,0 +1,98 @@
+"""The distributed adapter pool's parts: engine stores, the TCP transport
+between them, and the adapter source registry."""
+
+from __future__ import annotations
+
+import asyncio
+import filecmp
+import io
+import os
+import tarfile
+
+import pytest
+
+from vllm_loraserve.cluster.sources import LocalDirSource, make_source
+from vllm_loraserve.cluster.store import AdapterStore
+from vllm_loraserve.cluster.transport import make_transport
+
+
+def same_tree(a: str, b: str) -> bool:
+    cmp = filecmp.dircmp(a, b)
+    return not (cmp.left_only or cmp.right_only or cmp.diff_files or cmp.funny_files)
+
+
+def test_store_tar_round_trip_and_rejects_foreign_paths(tiny_assets, tmp_path):
+    src = AdapterStore(str(tmp_path / "a"))
+    src.copy_in("adapter-001-r16", os.path.join(tiny_assets, "adapters", "adapter-001-r16"))
+    dst = AdapterStore(str(tmp_path / "b"))
+    dst.put_tar("adapter-001-r16", src.tar("adapter-001-r16"))
+    assert dst.names() == ["adapter-001-r16"]
+    assert same_tree(src.path("adapter-001-r16"), dst.path("adapter-001-r16"))
+    assert dst.size_bytes("adapter-001-r16") == src.size_bytes("adapter-001-r16") > 0
+
+    for bad in ("../etc", "a/b", ".", "", "x" * 300):
+        with pytest.raises(ValueError, match="invalid adapter name"):
+            dst.path(bad)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        info = tarfile.TarInfo("other/evil.txt")
+        info.size = 1
+        tf.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(ValueError, match="holds other paths"):
+        dst.put_tar("victim", buf.getvalue())
+    assert dst.names() == ["adapter-001-r16"]
+    with pytest.raises(KeyError):
+        dst.tar("absent")
+    dst.remove("adapter-001-r16")
+    assert dst.names() == []
+
+
+def test_tcp_transport_moves_an_adapter_between_stores(tiny_assets, tmp_path):
+    async def body():
+        holder = AdapterStore(str(tmp_path / "holder"))
+        holder.copy_in("adapter-004-r128",
+                       os.path.join(tiny_assets, "adapters", "adapter-004-r128"))
+        target = AdapterStore(str(tmp_path / "target"))
+        server, client = make_transport("tcp"), make_transport("tcp")
+        address = await server.serve(holder)
+        assert address.startswith("127.0.0.1:")
+        try:
+            n = await client.fetch(address, "adapter-004-r128", target)
+            assert n > holder.size_bytes("adapter-004-r128")  # tar headers on top
+            assert same_tree(holder.path("adapter-004-r128"), target.path("adapter-004-r128"))
+            with pytest.raises(RuntimeError, match="could not send 'absent'"):
+                await client.fetch(address, "absent", target)
+            assert target.names() == ["adapter-004-r128"]
+        finally:
+            await server.close()
+        with pytest.raises(OSError):
+            await client.fetch(address, "adapter-004-r128", target)
+    asyncio.run(body())
+
+
+def test_rdma_transport_says_it_is_not_implemented():
+    with pytest.raises(NotImplementedError, match="RDMA"):
+        make_transport("rdma")
+    with pytest.raises(ValueError, match="unknown transport"):
+        make_transport("carrier-pigeon")
+
+
+def test_local_source_lists_valid_adapters_and_says_why_others_are_not(tiny_assets, tmp_path):
+    good = os.path.join(tiny_assets, "adapters")
+    extra = tmp_path / "extra"
+    (extra / "no-config").mkdir(parents=True)
+    (extra / "no-config" / "adapter_model.safetensors").write_bytes(b"junk")
+    source = make_source("local", os.pathsep.join([good, str(extra)]))
+    valid, invalid = source.scan()
+    assert sorted(e.name for e in valid) == sorted(os.listdir(good))
+    assert {e.rank for e in valid} == {8, 16, 32, 64, 128}
+    assert list(invalid) == ["no-config"] and "adapter_config.json" in invalid["no-config"]
+
+    store = AdapterStore(str(tmp_path / "store"))
+    source.copy_to("adapter-002-r32", store)
+    assert same_tree(os.path.join(good, "adapter-002-r32"), store.path("adapter-002-r32"))
+    with pytest.raises(KeyError, match="no adapter 'absent'"):
+        source.copy_to("absent", store)
+    with pytest.raises(ValueError, match="unknown adapter source"):
+        make_source("s3", "bucket")
+    assert isinstance(source, LocalDirSource)

@@ -1,0 +1,208 @@
+"""RouterCore with in-memory engines: placement applied, routing only to
+holders, fetch from peers before the registry, switch-then-drain-then-unload,
+faults, restarts, on-demand fetch, registration and refused adapters."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections import Counter
+
+import pytest
+
+from tests.cluster.fakes import fake_engines
+from vllm_loraserve.cli.cluster import load_profile
+from vllm_loraserve.cluster.router import RouterConfig, RouterCore
+
+RANKS = (8, 16, 32, 64, 128)
+CATALOG = {f"a{r}-{i}": r for r in RANKS for i in range(3)}
+
+
+@functools.cache
+def profile():
+    return load_profile(None, set(RANKS))  # operating points take seconds to compute
+
+
+def make_core(n=2, catalog=CATALOG, **config) -> tuple[RouterCore, dict, list]:
+    engines, world = fake_engines(n)
+    config = {"rebalance_s": None, "restart_backoff_s": 0.0, "health_failures": 1, **config}
+    core = RouterCore(engines, catalog, "base", profile(), RouterConfig(**config))
+    return core, engines, world
+
+
+def check_invariants(core: RouterCore, engines: dict) -> None:
+    """Every served adapter is routed, phi sums to 1, and routing names only
+    live engines whose vLLM holds the adapter."""
+    assert set(core.assignment) == set(core.catalog)
+    for a, entries in core.assignment.items():
+        assert entries and sum(p for _, p in entries) == pytest.approx(1.0)
+        for e, _ in entries:
+            assert e in core.alive and e in core.holders[a], (a, e)
+            assert a in engines[e].loaded, (a, e)
+
+
+def test_start_places_every_adapter_from_the_registry():
+    async def body():
+        core, engines, world = make_core()
+        await core.start()
+        check_invariants(core, engines)
+        # the first copy of each adapter comes from the registry (a peer fetch
+        # of a split adapter is checked by the fake: the peer must hold it)
+        first = {}
+        for w in world:
+            if w[1] == "fetch":
+                first.setdefault(w[2], w[3])
+        assert first == dict.fromkeys(CATALOG, "registry")
+        # each engine serves a few ranks rather than all of them (rank packing)
+        for e in engines.values():
+            assert 0 < len({CATALOG[a] for a in e.loaded}) < len(RANKS)
+        return core
+    asyncio.run(body())
+
+
+def test_moved_adapter_comes_from_a_peer_and_unloads_only_after_draining():
+    async def body():
+        core, engines, world = make_core()
+        await core.start()
+        a = "a8-0"
+        (src, _), = core.assignment[a]
+        dst = 1 - src
+        core.begin(a, src)  # a request in flight on the old holder
+        added = await core.set_placement({**core.assignment, a: [(dst, 1.0)]})
+        assert added == 1
+        assert core.routing.engines(a) == [dst]
+        assert (dst, "fetch", a, f"peer-{src}") in world
+        await asyncio.sleep(0.3)
+        assert a in engines[src].loaded  # still draining
+        core.end(a, src, "ok", 10)
+        await core.settle()
+        assert a not in engines[src].loaded and a not in engines[src].stored
+        assert world.index((dst, "load", a)) < world.index((src, "unload", a))
+        check_invariants(core, engines)
+    asyncio.run(body())
+
+
+def test_failed_load_keeps_the_old_route():
+    async def body():
+        core, engines, _ = make_core()
+        await core.start()
+        a = "a16-1"
+        (src, _), = core.assignment[a]
+        engines[1 - src].broken_loads.add(a)
+        assert await core.set_placement({**core.assignment, a: [(1 - src, 1.0)]}) == 0
+        assert core.assignment[a] == [(src, 1.0)]
+        await core.settle()
+        check_invariants(core, engines)
+    asyncio.run(body())
+
+
+def test_refused_adapter_is_no_longer_served_and_says_why():
+    async def body():
+        core, engines, _ = make_core()
+        await core.start()
+        for e in engines.values():
+            e.refuse["late"] = "rank 256 is above this server's maximum LoRA rank 128"
+        await core.register("late", 256)
+        assert "late" not in core.catalog and "rank 256" in core.invalid["late"]
+        check_invariants(core, engines)
+    asyncio.run(body())
+
+
+def test_dead_engine_leaves_routing_its_adapters_move_and_it_rejoins_after_restart():
+    async def body():
+        core, engines, world = make_core(n=3, restart_attempts=1)
+        await core.start()
+        victim = 0
+        lost = [a for a in core.catalog if victim in core.holders[a]]
+        assert lost
+        engines[victim].up = False
+        engines[victim].gate = gate = asyncio.Event()  # hold the restart until we looked
+        await core.check_now(victim)
+        assert core.live() == [1, 2]
+        check_invariants(core, engines)
+        gate.set()
+        await core.settle()
+        assert engines[victim].restarts == 1 and core.live() == [0, 1, 2]
+        check_invariants(core, engines)
+        # while it was down every adapter it held was served elsewhere
+        moved = [w for w in world if w[1] == "load" and w[2] in lost and w[0] != victim]
+        assert {w[2] for w in moved} == set(lost)
+        assert any(victim in core.holders[a] for a in core.catalog)  # rejoined the placement
+    asyncio.run(body())
+
+
+def test_engine_left_down_when_restarts_fail():
+    async def body():
+        core, engines, _ = make_core(n=2, restart_attempts=2)
+        await core.start()
+
+        async def broken_restart():
+            engines[1].restarts += 1
+            raise RuntimeError("server exited with code 1")
+        engines[1].restart = broken_restart
+        engines[1].up = False
+        await core.check_now(1)
+        await core.settle()
+        assert engines[1].restarts == 2 and core.live() == [0]
+        check_invariants(core, engines)
+        assert all(core.routing.engines(a) == [0] for a in core.catalog)
+    asyncio.run(body())
+
+
+def test_request_for_an_adapter_no_live_engine_holds_fetches_it_on_demand():
+    async def body():
+        core, engines, world = make_core(health_failures=99)
+        await core.start()
+        a = "a32-2"
+        (src, _), = core.assignment[a]
+        other = 1 - src
+        # src refuses connections (not yet detected as down): exclude it
+        got = await core.acquire(a, exclude={src})
+        assert got == other and a in engines[other].loaded
+        assert (other, "fetch", a, f"peer-{src}") in world
+        assert other in core.routing.engines(a)
+        check_invariants(core, engines)
+    asyncio.run(body())
+
+
+def test_routing_draws_follow_phi():
+    async def body():
+        core, _, _ = make_core()
+        await core.start()
+        a = "a64-0"
+        await core.set_placement({**core.assignment, a: [(0, 0.2), (1, 0.8)]})
+        counts = Counter(core.choose(a) for _ in range(4000))
+        assert counts[0] / 4000 == pytest.approx(0.2, abs=0.03)
+        assert core.choose(a, exclude={1}) == 0
+        assert core.choose("nope") is None or core.choose("nope") in (0, 1)
+    asyncio.run(body())
+
+
+def test_base_model_goes_to_the_least_loaded_engine():
+    async def body():
+        core, _, _ = make_core()
+        await core.start()
+        core.begin("base", 0)
+        assert core.choose("base") == 1
+        core.end("base", 0, "ok", 0)
+        assert core.inflight[0] == 0
+    asyncio.run(body())
+
+
+def test_rebalance_follows_demand_and_unregister_unloads_everywhere():
+    async def body():
+        core, engines, _ = make_core()
+        await core.start()
+        before = {a: list(v) for a, v in core.assignment.items()}
+        for a, r in CATALOG.items():  # demand shifts to the rank-8 adapters
+            core.demand.record(a, 50_000 if r == 8 else 100)
+        added = await core.rebalance()
+        await core.settle()
+        assert added > 0 and core.assignment != before
+        assert core.metrics.migrations._value.get() >= added
+        check_invariants(core, engines)
+        await core.unregister("a8-0")
+        await core.settle()
+        assert "a8-0" not in core.assignment
+        assert all("a8-0" not in e.loaded for e in engines.values())
+    asyncio.run(body())
