@@ -117,6 +117,53 @@ def test_leftovers_prefer_high_max_rank_servers_with_room():
     assert parts["idle"] == {0: 0.0}  # no demand: whole, on the first choice
 
 
+def test_leftover_overflow_never_raises_a_servers_max_rank_when_one_covers_it():
+    from vllm_loraserve.cluster.placement.loraserve import allocate_leftover
+
+    # A rank-64 overflow with room only on lower-rank servers stays on the
+    # covering server (above target) instead of padding server 1 to rank 64.
+    loads, max_rank, parts = {0: 1.0, 1: 0.3, 2: 0.2}, {0: 64, 1: 32, 2: 8}, {}
+    allocate_leftover("big", 64, 0.3, 1.0, loads, max_rank, parts)
+    assert parts["big"] == {0: pytest.approx(0.3)}
+    assert max_rank == {0: 64, 1: 32, 2: 8}
+    # a rank above every server's maximum may go anywhere with room
+    allocate_leftover("huge", 128, 0.5, 1.0, loads, max_rank, parts)
+    assert parts["huge"] == {1: pytest.approx(0.5)}
+    assert max_rank[1] == 128
+
+
+def test_padded_kernels_cost_a_leftover_at_its_servers_max_rank():
+    from vllm_loraserve.cluster.placement.loraserve import allocate_leftover
+
+    def place(padded_ops):
+        loads, max_rank, parts = {0: 0.5, 1: 0.6}, {0: 128, 1: 8}, {}
+        allocate_leftover("x", 8, 0.4, 1.0, loads, max_rank, parts, padded_ops)
+        return parts["x"], loads
+
+    parts, loads = place(None)  # the paper: own-rank units, all on the rank-128 server
+    assert parts == {0: pytest.approx(0.4)} and loads[0] == pytest.approx(0.9)
+    parts, loads = place(OPS)  # padded: each unit costs OPS[8] / OPS[128] on server 0
+    c = OPS[8] / OPS[128]
+    assert parts == {0: pytest.approx(0.5 / c), 1: pytest.approx(0.4 - 0.5 / c)}
+    assert loads == {0: pytest.approx(1.0), 1: pytest.approx(1.0 - 0.5 / c)}
+
+
+def test_rounded_down_rank_budget_overflow_stays_on_its_rank():
+    """5 ranks on 4 servers: rank 128 needs 1.3 servers and gets 1; its
+    overflow must not land on the rank-32/64 servers (docs/benchmarks/README.md)."""
+    ranks = [8, 16, 32, 64, 128]
+    catalog = [a for r in ranks for a in loraserve_catalog(25) if a.rank == r]
+    util = {8: 0.3, 16: 0.9, 32: 1.0, 64: 1.0, 128: 1.3}  # in units of target
+    demand = {a.name: util[a.rank] * OPS[a.rank] / sum(b.rank == a.rank for b in catalog)
+              for a in catalog}
+    plan = LoRAServePlacement().plan(PlacementInput(catalog, demand, 4, OPS))
+    assert plan.budgets == {128: 1, 64: 1, 32: 1, 16: 1, 8: 0}
+    rank = {a.name: a.rank for a in catalog}
+    held = {s: max(rank[n] for n, e in plan.assignment.items() for t, _ in e if t == s)
+            for s in range(4)}
+    assert held == {plan.dedicated[r][0]: r for r in (128, 64, 32, 16)}
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_deterministic(policy):
     inp = skewed(num_servers=5, seed=4)

@@ -34,7 +34,8 @@ def _place(a: argparse.Namespace) -> None:
             previous = {k: [(int(s), float(p)) for s, p in v] for k, v in json.load(f).items()}
     profile = load_profile(a.profile, {x.rank for x in adapters})
     assignment = get_policy(a.policy, a.seed).place(
-        PlacementInput(adapters, demand, a.servers, profile.operating_points, previous))
+        PlacementInput(adapters, demand, a.servers, profile.operating_points, previous,
+                       padded=profile.step.kind == "bgmv"))
     check_assignment(assignment, adapters, a.servers)
     print(json.dumps({k: [[s, p] for s, p in v] for k, v in sorted(assignment.items())},
                      indent=1))

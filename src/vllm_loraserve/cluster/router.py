@@ -169,8 +169,9 @@ class RouterCore:
                     for a, entries in self.assignment.items()}
         previous = {a: v for a, v in previous.items() if v}
         adapters = [AdapterSpec(a, r) for a, r in sorted(self.catalog.items())]
-        placed = self.policy.place(PlacementInput(adapters, demand, len(live),
-                                                  self.profile.operating_points, previous))
+        placed = self.policy.place(PlacementInput(
+            adapters, demand, len(live), self.profile.operating_points, previous,
+            padded=self.profile.step.kind == "bgmv"))
         return {a: [(live[k], p) for k, p in entries] for a, entries in placed.items()}
 
     async def rebalance(self) -> int:

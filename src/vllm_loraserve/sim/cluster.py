@@ -122,7 +122,8 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterSpec], profile: 
             if req.arrival_s > config.warm_start_s:
                 break
             initial[req.adapter] += (req.prompt_len + req.output_len) / config.warm_start_s
-    assignment = policy.place(PlacementInput(catalog, initial, k, ops))
+    padded = profile.step.kind == "bgmv"
+    assignment = policy.place(PlacementInput(catalog, initial, k, ops, padded=padded))
     for name, entries in assignment.items():
         for s, _ in entries:
             engines[s].preload(name, rank_of[name])
@@ -197,7 +198,8 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterSpec], profile: 
             kick(engines[s], now)
         elif kind == _REBALANCE:
             demand.roll()
-            new = policy.place(PlacementInput(catalog, demand.estimate(), k, ops, assignment))
+            new = policy.place(PlacementInput(catalog, demand.estimate(), k, ops, assignment,
+                                              padded=padded))
             rebalances += 1
             ready = now
             for name, entries in new.items():

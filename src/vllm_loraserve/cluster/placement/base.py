@@ -31,6 +31,9 @@ class PlacementInput:
     num_servers: int
     operating_points: Mapping[int, float]  # rank -> tokens/s one server sustains in SLO
     previous: Assignment | None = None
+    # The engines' LoRA kernels pad a batch to its largest rank (BGMV-style,
+    # `StepModel.kind == "bgmv"`): a token costs at its server's maximum rank.
+    padded: bool = False
 
 
 class PlacementPolicy(Protocol):

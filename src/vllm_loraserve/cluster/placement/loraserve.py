@@ -14,11 +14,19 @@ tokens/s one server sustains within SLO at that rank), in server units
 4. leftovers, in descending rank order, go to the server with the highest
    maximum rank and the least utilisation. Leftovers are adapters with no
    demand, adapters of ranks with no budget, and what did not fit in a rank's
-   servers (budgets are rounded). A leftover load fills servers that still
-   have room below `target`: the highest maximum rank first, so a low-rank
-   adapter does not raise a server's maximum rank, and among equal ranks the
-   least utilised. Only when no server has room does it go to the least
-   utilised server. An adapter with no demand goes whole to the first choice;
+   servers (budgets are rounded). A leftover never raises the maximum rank of
+   a server that holds adapters while a server covers it (maximum rank at
+   least its rank, or empty): its load fills covering servers that still have
+   room below `target` (highest maximum rank first, then least utilised), and
+   only when none has room does the rest go to the least utilised covering
+   server, above `target`. (Spilling a rank-128 overflow onto a rank-32
+   server instead pads that server's whole batch to rank 128 under
+   BGMV-style kernels: docs/benchmarks/README.md.) A rank above every busy
+   server's maximum rank, with no empty server, may go to any server with
+   room. With padded kernels (`PlacementInput.padded`), the load a leftover
+   adds to a server is costed at that server's maximum rank (its tokens run
+   padded to it), not at the adapter's own rank as in the paper. An adapter
+   with no demand goes whole to the first choice;
 5. server labels are permuted to keep as much routing share as possible where
    the previous assignment had it (maximum-weight matching).
 
@@ -81,10 +89,18 @@ def fractional_bin_packing(utils: Sequence[tuple[str, float]], servers: Sequence
 
 def allocate_leftover(name: str, rank: int, load: float, capacity: float,
                       loads: dict[int, float], max_rank: dict[int, int],
-                      parts: dict[str, dict[int, float]]) -> None:
-    """Step 4 for one leftover (see the module doc)."""
+                      parts: dict[str, dict[int, float]],
+                      padded_ops: Mapping[int, float] | None = None) -> None:
+    """Step 4 for one leftover (see the module doc). `load` and `parts` are
+    in units of the adapter's own operating point; with `padded_ops` (padded
+    kernels) the load it adds to server s is costed at s's maximum rank."""
     def preference(s: int) -> tuple:
         return (-max_rank[s], loads[s], s)
+
+    def cost(s: int) -> float:  # server load per unit of this adapter's load
+        if padded_ops is None:
+            return 1.0
+        return padded_ops[rank] / padded_ops[max(rank, max_rank[s])]
 
     placed = parts.setdefault(name, {})
     if load <= _EPS:
@@ -92,12 +108,17 @@ def allocate_leftover(name: str, rank: int, load: float, capacity: float,
         placed[s] = 0.0
         max_rank[s] = max(max_rank[s], rank)
         return
+    # Servers whose maximum rank already covers this adapter, and empty ones;
+    # only when there are none may a busy server's maximum rank rise (padded
+    # kernels would then slow every request on it, not just this adapter's).
+    covering = [s for s in loads if max_rank[s] >= rank or max_rank[s] == 0] or list(loads)
     while load > _EPS:
-        roomy = [s for s in loads if capacity - loads[s] > _EPS]
-        s = min(roomy, key=preference) if roomy else min(loads, key=lambda x: (loads[x], x))
-        take = min(load, capacity - loads[s]) if roomy else load
+        roomy = [s for s in covering if capacity - loads[s] > _EPS]
+        s = min(roomy, key=preference) if roomy else min(covering, key=lambda x: (loads[x], x))
+        c = cost(s)
+        take = min(load, (capacity - loads[s]) / c) if roomy else load
         placed[s] = placed.get(s, 0.0) + take
-        loads[s] += take
+        loads[s] += take * c
         max_rank[s] = max(max_rank[s], rank)
         load -= take
 
@@ -161,7 +182,8 @@ class LoRAServePlacement:
                 left_over[a.name] = util[a.name]
         for a in sorted((a for a in inp.adapters if a.name in left_over),
                         key=lambda a: (-a.rank, -left_over[a.name], a.name)):
-            allocate_leftover(a.name, a.rank, left_over[a.name], target, loads, max_rank, parts)
+            allocate_leftover(a.name, a.rank, left_over[a.name], target, loads, max_rank, parts,
+                              inp.operating_points if inp.padded else None)
         assignment: Assignment = {}
         for a in inp.adapters:
             total = sum(parts[a.name].values())
