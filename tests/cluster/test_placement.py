@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -110,10 +112,10 @@ def test_leftovers_prefer_high_max_rank_servers_with_room():
     from vllm_loraserve.cluster.placement.loraserve import allocate_leftover
 
     loads, max_rank, parts = {0: 0.9, 1: 0.2, 2: 0.5}, {0: 128, 1: 8, 2: 64}, {}
-    allocate_leftover("x", 8, 0.4, 1.0, loads, max_rank, parts)
+    allocate_leftover("x", 8, 0.4, 1.0, loads, max_rank, parts, Counter())
     # server 0 (max rank 128) takes what fits (0.1), server 2 (64) the rest
     assert parts["x"] == {0: pytest.approx(0.1), 2: pytest.approx(0.3)}
-    allocate_leftover("idle", 16, 0.0, 1.0, loads, max_rank, parts)
+    allocate_leftover("idle", 16, 0.0, 1.0, loads, max_rank, parts, Counter())
     assert parts["idle"] == {0: 0.0}  # no demand: whole, on the first choice
 
 
@@ -123,13 +125,41 @@ def test_leftover_overflow_never_raises_a_servers_max_rank_when_one_covers_it():
     # A rank-64 overflow with room only on lower-rank servers stays on the
     # covering server (above target) instead of padding server 1 to rank 64.
     loads, max_rank, parts = {0: 1.0, 1: 0.3, 2: 0.2}, {0: 64, 1: 32, 2: 8}, {}
-    allocate_leftover("big", 64, 0.3, 1.0, loads, max_rank, parts)
+    allocate_leftover("big", 64, 0.3, 1.0, loads, max_rank, parts, Counter())
     assert parts["big"] == {0: pytest.approx(0.3)}
     assert max_rank == {0: 64, 1: 32, 2: 8}
     # a rank above every server's maximum may go anywhere with room
-    allocate_leftover("huge", 128, 0.5, 1.0, loads, max_rank, parts)
+    allocate_leftover("huge", 128, 0.5, 1.0, loads, max_rank, parts, Counter())
     assert parts["huge"] == {1: pytest.approx(0.5)}
     assert max_rank[1] == 128
+
+
+def test_adapters_without_demand_spread_over_covering_servers():
+    inp = skewed(num_adapters=100, num_servers=4)
+    idle = {a.name for a in inp.adapters if a.rank == 8}
+    demand = {n: (0.0 if n in idle else d) for n, d in inp.demand.items()}
+    assignment = LoRAServePlacement().place(PlacementInput(inp.adapters, demand, 4, OPS))
+    per_server = Counter(s for n in idle for s, _ in assignment[n])
+    assert len(per_server) > 1  # not all on the first choice
+    # they fill the servers holding the fewest adapters (host memory)
+    held = Counter(s for v in assignment.values() for s, _ in v)
+    assert max(held[s] for s in per_server) - min(held[s] for s in per_server) <= 1
+
+
+def test_cold_start_spreads_each_adapter_over_its_ranks_servers():
+    """No demand measured: packing a uniform guess in any order would put a
+    block of adapters (the hottest, if names follow popularity) on one server."""
+    catalog = loraserve_catalog(100)
+    guess = dict.fromkeys((a.name for a in catalog), 1.0)
+    plan = LoRAServePlacement().plan(PlacementInput(catalog, guess, 8, OPS, cold=True))
+    for a in catalog:
+        servers = plan.dedicated[a.rank]
+        if servers:
+            assert plan.assignment[a.name] == [(s, pytest.approx(1 / len(servers)))
+                                               for s in servers]
+    check_assignment(plan.assignment, catalog, 8)
+    warm = LoRAServePlacement().plan(PlacementInput(catalog, guess, 8, OPS))
+    assert any(len(v) == 1 for v in warm.assignment.values())  # packing keeps them whole
 
 
 def test_padded_kernels_cost_a_leftover_at_its_servers_max_rank():
@@ -137,7 +167,7 @@ def test_padded_kernels_cost_a_leftover_at_its_servers_max_rank():
 
     def place(padded_ops):
         loads, max_rank, parts = {0: 0.5, 1: 0.6}, {0: 128, 1: 8}, {}
-        allocate_leftover("x", 8, 0.4, 1.0, loads, max_rank, parts, padded_ops)
+        allocate_leftover("x", 8, 0.4, 1.0, loads, max_rank, parts, Counter(), padded_ops)
         return parts["x"], loads
 
     parts, loads = place(None)  # the paper: own-rank units, all on the rank-128 server

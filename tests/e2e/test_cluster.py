@@ -222,19 +222,21 @@ def test_killed_engine_loses_no_adapter_and_rejoins_after_restart(cluster):
     results = asyncio.run(send(cluster.url, [(a, "hello") for a in names]))
     assert [x for x in results if x[1] != 200] == []
 
+    # `alive` changes before the re-placement onto engine 1 has loaded
+    # everything, so wait for both
     def down():
         s = cluster.status()
-        return s if s["alive"] == [1] else None
-    s = wait_for(down, 60, "engine 0 to leave routing")
-    assert all(v == [[1, 1.0]] for v in s["placement"].values()), s["placement"]
+        moved = all(v == [[1, 1.0]] for v in s["placement"].values())
+        return s if s["alive"] == [1] and moved else None
+    wait_for(down, 60, "engine 0 to leave routing and its adapters to move to engine 1")
     results = asyncio.run(send(cluster.url, [(a, "hello again") for a in names]))
     assert all(status == 200 and engine == "1" for _, status, engine in results)
 
     def rejoined():
         s = cluster.status()
-        return s if s["alive"] == [0, 1] else None
-    s = wait_for(rejoined, 600, "engine 0 to restart and rejoin", interval=2)
-    assert s["engines"]["0"]["pid"] != old_pid and s["engines"]["0"]["adapters"]
+        return s if s["alive"] == [0, 1] and s["engines"]["0"]["adapters"] else None
+    s = wait_for(rejoined, 600, "engine 0 to restart, rejoin and receive adapters", interval=2)
+    assert s["engines"]["0"]["pid"] != old_pid
     results = asyncio.run(send(cluster.url, [(a, "welcome back") for a in names]))
     assert all(status == 200 for _, status, _ in results)
     assert {engine for _, _, engine in results} == {"0", "1"}

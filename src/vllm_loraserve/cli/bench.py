@@ -96,7 +96,8 @@ def _simulate(a: argparse.Namespace) -> None:
     profile = load_profile(a.profile, {x.rank for x in catalog})
     result = simulate(read_trace(a.trace), catalog, profile,
                       ClusterConfig(num_engines=a.engines, policy=a.policy,
-                                    rebalance_s=a.rebalance or None, seed=a.seed))
+                                    rebalance_s=a.rebalance or None, seed=a.seed,
+                                    warm_start_s=a.warm_start))
     summary = result.summary(a.slo_ttft)
     text = json.dumps(summary, indent=1)
     if a.out:
@@ -177,6 +178,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sm.add_argument("--policy", choices=("random", "contiguous", "toppings", "loraserve"),
                     default="loraserve")
     sm.add_argument("--rebalance", type=float, default=30.0, help="seconds (0: never)")
+    sm.add_argument("--warm-start", type=float, default=0.0,
+                    help="one run: place first from the demand of the trace's first seconds "
+                         "(0: from no demand, as a router that just started)")
     sm.add_argument("--profile", help="profile JSON (default: the documented default model)")
     sm.add_argument("--slo-ttft", type=float, default=10.0)
     sm.add_argument("--seed", type=int, default=0)

@@ -140,7 +140,7 @@ class RouterCore:
         if not self.alive:
             raise RuntimeError("no engine passed its health check")
         async with self._placement_lock:
-            await self._apply(self._place(dict.fromkeys(self.catalog, 1.0)))
+            await self._apply(self._place(None))
 
     async def run(self) -> None:
         """Health checks and periodic rebalancing, until cancelled."""
@@ -162,7 +162,12 @@ class RouterCore:
     def live(self) -> list[int]:
         return sorted(self.alive)
 
-    def _place(self, demand: Mapping[str, float]) -> Assignment:
+    def _place(self, demand: Mapping[str, float] | None) -> Assignment:
+        """The policy's placement over the live engines; `demand` None (or
+        empty): nothing measured yet, a cold placement."""
+        cold = not demand
+        if cold:
+            demand = dict.fromkeys(self.catalog, 1.0)
         live = self.live()
         index = {e: k for k, e in enumerate(live)}
         previous = {a: [(index[e], p) for e, p in entries if e in index]
@@ -171,7 +176,7 @@ class RouterCore:
         adapters = [AdapterSpec(a, r) for a, r in sorted(self.catalog.items())]
         placed = self.policy.place(PlacementInput(
             adapters, demand, len(live), self.profile.operating_points, previous,
-            padded=self.profile.step.kind == "bgmv"))
+            padded=self.profile.step.kind == "bgmv", cold=cold))
         return {a: [(live[k], p) for k, p in entries] for a, entries in placed.items()}
 
     async def rebalance(self) -> int:
@@ -304,8 +309,7 @@ class RouterCore:
             for holders in self.holders.values():
                 holders.discard(engine)
             if self.alive:
-                await self._apply(self._place(self.demand.estimate()
-                                              or dict.fromkeys(self.catalog, 1.0)))
+                await self._apply(self._place(self.demand.estimate()))
         if self.config.restart_attempts and engine not in self._restarting:
             self._spawn(self._restart(engine))
 
@@ -337,8 +341,7 @@ class RouterCore:
             for holders in self.holders.values():  # a (re)started server holds nothing
                 holders.discard(engine)
             if self.assignment:
-                await self._apply(self._place(self.demand.estimate()
-                                              or dict.fromkeys(self.catalog, 1.0)))
+                await self._apply(self._place(self.demand.estimate()))
 
     # -- requests ------------------------------------------------------------
     def choose(self, model: str, exclude: Collection[int] = ()) -> int | None:

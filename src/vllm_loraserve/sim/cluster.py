@@ -123,7 +123,8 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterSpec], profile: 
                 break
             initial[req.adapter] += (req.prompt_len + req.output_len) / config.warm_start_s
     padded = profile.step.kind == "bgmv"
-    assignment = policy.place(PlacementInput(catalog, initial, k, ops, padded=padded))
+    assignment = policy.place(PlacementInput(catalog, initial, k, ops, padded=padded,
+                                             cold=config.warm_start_s <= 0))
     for name, entries in assignment.items():
         for s, _ in entries:
             engines[s].preload(name, rank_of[name])

@@ -34,6 +34,10 @@ class PlacementInput:
     # The engines' LoRA kernels pad a batch to its largest rank (BGMV-style,
     # `StepModel.kind == "bgmv"`): a token costs at its server's maximum rank.
     padded: bool = False
+    # Nothing measured yet: `demand` is a uniform guess. loraserve then spreads
+    # each adapter over its rank's servers instead of packing the guess (which
+    # would put whatever sorts first, e.g. the hottest adapters, on one server).
+    cold: bool = False
 
 
 class PlacementPolicy(Protocol):

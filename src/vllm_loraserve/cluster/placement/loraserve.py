@@ -26,7 +26,12 @@ tokens/s one server sustains within SLO at that rank), in server units
    room. With padded kernels (`PlacementInput.padded`), the load a leftover
    adds to a server is costed at that server's maximum rank (its tokens run
    padded to it), not at the adapter's own rank as in the paper. An adapter
-   with no demand goes whole to the first choice;
+   with no demand goes whole to the covering server holding the fewest
+   adapters;
+   With `PlacementInput.cold` (no demand measured yet, e.g. a router that
+   just started), step 3 spreads each adapter evenly over its rank's servers
+   instead of packing a guessed demand. Ties between equal loads are broken
+   by a hash of the name, not by the name;
 5. server labels are permuted to keep as much routing share as possible where
    the previous assignment had it (maximum-weight matching).
 
@@ -35,6 +40,8 @@ Every adapter is placed at least once and its phis sum to 1 (base.py).
 
 from __future__ import annotations
 
+import zlib
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +52,12 @@ from vllm_loraserve.cluster.placement.base import Assignment, PlacementInput
 from vllm_loraserve.workloads.trace import AdapterSpec
 
 _EPS = 1e-12
+
+
+def _tiebreak(name: str) -> tuple[int, str]:
+    """Order among equal loads that does not follow the names (generated
+    names often follow popularity), yet is deterministic."""
+    return zlib.crc32(name.encode()), name
 
 
 def rank_budgets(rank_util: Mapping[int, float], num_servers: int) -> dict[int, int]:
@@ -68,7 +81,7 @@ def fractional_bin_packing(utils: Sequence[tuple[str, float]], servers: Sequence
     adapters' loads (largest first), splitting an adapter across servers when
     it does not fit. Records placed load in `parts` (adapter -> server ->
     load) and `loads`; returns the load that found no room, per adapter."""
-    order = sorted(utils, key=lambda nu: (-nu[1], nu[0]))
+    order = sorted(utils, key=lambda nu: (-nu[1], _tiebreak(nu[0])))
     left_over, i = {}, 0
     for name, util in order:
         left = util
@@ -89,11 +102,12 @@ def fractional_bin_packing(utils: Sequence[tuple[str, float]], servers: Sequence
 
 def allocate_leftover(name: str, rank: int, load: float, capacity: float,
                       loads: dict[int, float], max_rank: dict[int, int],
-                      parts: dict[str, dict[int, float]],
+                      parts: dict[str, dict[int, float]], held: Counter[int],
                       padded_ops: Mapping[int, float] | None = None) -> None:
     """Step 4 for one leftover (see the module doc). `load` and `parts` are
     in units of the adapter's own operating point; with `padded_ops` (padded
-    kernels) the load it adds to server s is costed at s's maximum rank."""
+    kernels) the load it adds to server s is costed at s's maximum rank.
+    `held` counts adapters per server."""
     def preference(s: int) -> tuple:
         return (-max_rank[s], loads[s], s)
 
@@ -103,20 +117,22 @@ def allocate_leftover(name: str, rank: int, load: float, capacity: float,
         return padded_ops[rank] / padded_ops[max(rank, max_rank[s])]
 
     placed = parts.setdefault(name, {})
-    if load <= _EPS:
-        s = min(loads, key=preference)
-        placed[s] = 0.0
-        max_rank[s] = max(max_rank[s], rank)
-        return
     # Servers whose maximum rank already covers this adapter, and empty ones;
     # only when there are none may a busy server's maximum rank rise (padded
     # kernels would then slow every request on it, not just this adapter's).
     covering = [s for s in loads if max_rank[s] >= rank or max_rank[s] == 0] or list(loads)
+    if load <= _EPS:  # no demand: whole, where the fewest adapters are (memory)
+        s = min(covering, key=lambda x: (held[x], *preference(x)))
+        placed[s] = 0.0
+        held[s] += 1
+        max_rank[s] = max(max_rank[s], rank)
+        return
     while load > _EPS:
         roomy = [s for s in covering if capacity - loads[s] > _EPS]
         s = min(roomy, key=preference) if roomy else min(covering, key=lambda x: (loads[x], x))
         c = cost(s)
         take = min(load, (capacity - loads[s]) / c) if roomy else load
+        held[s] += s not in placed
         placed[s] = placed.get(s, 0.0) + take
         loads[s] += take * c
         max_rank[s] = max(max_rank[s], rank)
@@ -172,18 +188,25 @@ class LoRAServePlacement:
             servers = dedicated[rank] = list(range(next_server, next_server + budgets[rank]))
             next_server += budgets[rank]
             demanded = [(a.name, util[a.name]) for a in by_rank[rank] if util[a.name] > _EPS]
-            if servers and demanded:
+            if servers and demanded and inp.cold:
+                for name, u in demanded:  # no measured demand to pack: spread
+                    parts[name] = {s: u / len(servers) for s in servers}
+                    for s in servers:
+                        loads[s] += u / len(servers)
+            elif servers and demanded:
                 left_over.update(fractional_bin_packing(demanded, servers, target, loads, parts))
+            if servers and demanded:
                 for s in servers:
                     max_rank[s] = max(max_rank[s], rank)
         packed = {name: dict(p) for name, p in parts.items()}
         for a in inp.adapters:
             if a.name not in parts:
                 left_over[a.name] = util[a.name]
+        held = Counter(s for p in parts.values() for s in p)
         for a in sorted((a for a in inp.adapters if a.name in left_over),
-                        key=lambda a: (-a.rank, -left_over[a.name], a.name)):
+                        key=lambda a: (-a.rank, -left_over[a.name], _tiebreak(a.name))):
             allocate_leftover(a.name, a.rank, left_over[a.name], target, loads, max_rank, parts,
-                              inp.operating_points if inp.padded else None)
+                              held, inp.operating_points if inp.padded else None)
         assignment: Assignment = {}
         for a in inp.adapters:
             total = sum(parts[a.name].values())
