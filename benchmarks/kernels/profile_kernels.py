@@ -1,12 +1,12 @@
 """Run one benchmark case's LoRA layer (ours, then vLLM) a few times so Nsight
 Compute can profile the kernels:
 
-    ncu --kernel-name regex:'_shrink_kernel|_expand_kernel' --launch-skip 8 \
-        --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section Occupancy --section LaunchStats \
-        python benchmarks/kernels/profile_kernels.py --tokens 256 --mix r128 --tiles R.json
+    ncu --clock-control none --kernel-name regex:'^_shrink_kernel|^_expand_kernel' \
+        --launch-skip 8 --launch-count 8 --section SpeedOfLight --section Occupancy \
+        python benchmarks/kernels/profile_kernels.py --tokens 256 --mix r128
 
-The first two iterations warm up (compilation, vLLM's pointer caches).
+(our kernels only: vLLM's are `_lora_shrink_kernel`/`_lora_expand_kernel`). The first
+iteration warms up (compilation, vLLM's pointer caches); the skip passes it.
 """
 
 from __future__ import annotations

@@ -127,6 +127,29 @@ def test_kernels_match_dense_math(backend, dtype, seed, num_tokens, block_m):
         assert torch.equal(y[no_adapter], y0[no_adapter])  # bit-for-bit untouched
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_h_wider_than_a_multiple_of_the_tile(split_k):
+    """An h whose width is no multiple of the tiles takes the kernels' masked
+    path: the same result in the first MAX_RANK columns, 0 after them."""
+    sc = Scenario(6, torch.float32)
+    rng = random.Random(6)
+    token_slots = sc.token_slots(rng, 21)
+    batch = make_batch(token_slots)
+    backend = TritonBackend(*small_tiles(split_k))
+    for names in MODULES.values():
+        module = ModuleSlices.of(sc.layout, names)
+        x = torch.randn(21, module.in_features)
+        y0 = torch.randn(21, sum(module.out_features))
+        want_h, want_y = _dense_expected(sc, x, token_slots, names, y0)
+        h = torch.full((len(names), 21, MAX_RANK + 8), 5.0)
+        backend.shrink(x, sc.pool, h, batch, sc.slots, module, sc.layout)
+        torch.testing.assert_close(h[..., :MAX_RANK], want_h, atol=1e-4, rtol=1e-4)
+        assert torch.all(h[..., MAX_RANK:] == 0)
+        y = y0.clone()
+        backend.expand(h, sc.pool, y, batch, sc.slots, module, sc.layout)
+        torch.testing.assert_close(y, want_y, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("backend", backends())
 def test_batch_without_adapters_is_a_no_op(backend):
     sc = Scenario(5, torch.float32)

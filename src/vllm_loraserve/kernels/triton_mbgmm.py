@@ -35,6 +35,7 @@ def _shrink_kernel(
     K, a_width, page_size, num_segs, max_pages, first_seg,
     stride_xt, stride_hs, stride_ht,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_H: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     blk = pid0 // SPLIT_K
@@ -77,7 +78,10 @@ def _shrink_kernel(
                     mask=n_mask[None, :] & k_mask[:, None], other=0.0)
         acc += tl.dot(x, w)
     out = h_ptr + s * stride_hs + toks[:, None] * stride_ht + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
+    if EVEN_H:  # columns past the rank hold 0 (masked weights), inside h's width
+        mask = m_mask[:, None]
+    else:
+        mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         tl.store(out, acc, mask=mask)
     else:
@@ -90,7 +94,8 @@ def _expand_kernel(
     desc_ptr,
     page_size, num_segs, max_pages, first_seg,
     stride_hs, stride_ht, stride_yt,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGNED_COLS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGNED: tl.constexpr,
+    EVEN_H: tl.constexpr,
 ):
     blk = tl.program_id(0)
     n0 = tl.program_id(1) * BN
@@ -105,8 +110,11 @@ def _expand_kernel(
     rank = tl.load(rank_ptr + slot)
     width = tl.load(desc_ptr + s * 3)
     col0 = tl.load(desc_ptr + s * 3 + 2)
-    if ALIGNED_COLS:  # the launcher checked every slice's first column
+    if ALIGNED:  # the launcher checked every slice's first column and width
         col0 = tl.multiple_of(col0, 16)
+        # Known divisibility makes the column mask constant over 16 columns,
+        # so y and B are read and written in vectors, not element by element.
+        n_out = tl.multiple_of(n_out, 16)
     start = tl.load(blocks_ptr + blk * 3 + 1)
     length = tl.load(blocks_ptr + blk * 3 + 2)
 
@@ -116,21 +124,25 @@ def _expand_kernel(
     offs_n = n0 + tl.arange(0, BN)
     n_mask = offs_n < n_out
     offs_j = tl.arange(0, BK)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    # y is loaded first so that its latency overlaps the weight loads.
+    out = y_ptr + toks[:, None] * stride_yt + col0 + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    y = tl.load(out, mask=mask, other=0.0)
+    acc = y.to(tl.float32)
     for j0 in range(0, rank, BK):
         j_mask = (j0 + offs_j) < rank
-        hj = tl.load(h_ptr + s * stride_hs + toks[:, None] * stride_ht + (j0 + offs_j)[None, :],
-                     mask=m_mask[:, None] & j_mask[None, :], other=0.0)
+        h_tile = h_ptr + s * stride_hs + toks[:, None] * stride_ht + (j0 + offs_j)[None, :]
+        if EVEN_H:  # h is 0 past the rank up to its width, a multiple of BK: no rank mask
+            hj = tl.load(h_tile, mask=m_mask[:, None], other=0.0)
+        else:
+            hj = tl.load(h_tile, mask=m_mask[:, None] & j_mask[None, :], other=0.0)
         chunk = seg_off + (j0 + offs_j) * width + n0  # BN columns of row j lie in one page
         page = tl.load(pages_ptr + slot * max_pages + chunk // page_size, mask=j_mask, other=0)
         base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
         w = tl.load(pool_ptr + base[:, None] + tl.arange(0, BN)[None, :],
                     mask=j_mask[:, None] & n_mask[None, :], other=0.0)
         acc += tl.dot(hj.to(w.dtype), w)
-    out = y_ptr + toks[:, None] * stride_yt + col0 + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    y = tl.load(out, mask=mask, other=0.0)
-    tl.store(out, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+    tl.store(out, acc.to(y.dtype), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -143,11 +155,11 @@ class Tiles:
 
 
 def shrink_tiles(batch: TokenBatch, k: int) -> Tiles:
-    """Few tokens per block (decode): wide K chunks; many (prefill): a deeper
-    pipeline. Split-K is automatic in both."""
+    """Few tokens per block (decode) or many (prefill). Both defaults are the
+    tiles `bench_lora_kernels.py --tune` chose on an H200 (docs/benchmarks/kernels.md)."""
     if batch.block_m <= 16:
-        return Tiles(block_n=16, block_k=256)
-    return Tiles(block_n=16, block_k=128, num_stages=3)
+        return Tiles(block_n=32, block_k=128, split_k=16)
+    return Tiles(block_n=32, block_k=128, num_warps=8, num_stages=3)
 
 
 @functools.cache
@@ -165,9 +177,10 @@ def auto_split_k(k: int, block_k: int, programs: int, device: torch.device) -> i
 
 
 def expand_tiles(batch: TokenBatch) -> Tiles:
+    """As `shrink_tiles`: tuned on an H200."""
     if batch.block_m <= 16:
-        return Tiles(block_n=128, block_k=16)
-    return Tiles(block_n=128, block_k=16, num_stages=3)
+        return Tiles(block_n=128, block_k=32)
+    return Tiles(block_n=128, block_k=16)
 
 
 @functools.lru_cache(maxsize=256)
@@ -214,13 +227,16 @@ class TritonBackend:
             layout.num_segments, slots.pages.shape[1], 2 * module.first,
             x.stride(0), h.stride(0), h.stride(1),
             BM=batch.block_m, BN=t.block_n, BK=t.block_k, SPLIT_K=split_k,
+            EVEN_H=h.shape[-1] % t.block_n == 0,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
     def expand(self, h: torch.Tensor, pool: torch.Tensor, y: torch.Tensor, batch: TokenBatch,
                slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
         """y[t, slice s columns] += h[s, t, :rank] @ Bt_{slot(t), s}; tokens
-        without an adapter and untargeted slices are left as they are."""
+        without an adapter and untargeted slices are left as they are. h must
+        be 0 past each rank, as `shrink` leaves it (its columns there meet
+        masked weights, but are read)."""
         if batch.max_blocks == 0:
             return
         t = self._expand_tiles(batch)
@@ -234,6 +250,7 @@ class TritonBackend:
             layout.num_segments, slots.pages.shape[1], 2 * module.first,
             h.stride(0), h.stride(1), y.stride(0),
             BM=batch.block_m, BN=t.block_n, BK=t.block_k,
-            ALIGNED_COLS=all(c % 16 == 0 for c in module.out_offsets),
+            ALIGNED=all(c % 16 == 0 for c in (*module.out_offsets, *module.out_features)),
+            EVEN_H=h.shape[-1] % t.block_k == 0,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
