@@ -3,6 +3,7 @@ router asked of them, with switches for faults."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -28,6 +29,7 @@ class FakeEngine:
     loaded: set = field(default_factory=set)
     refuse: dict = field(default_factory=dict)  # adapter -> reason (HTTP 400)
     broken_loads: set = field(default_factory=set)  # adapter -> load fails (not 400)
+    load_gates: dict = field(default_factory=dict)  # adapter -> asyncio.Event a load awaits
     restarts: int = 0
     gate: object = None  # an asyncio.Event a restart waits for, if set
 
@@ -48,6 +50,8 @@ class FakeEngine:
         if adapter in self.broken_loads:
             raise RuntimeError("HTTP 500")
         assert adapter in self.stored, "vLLM loads from the store"
+        if adapter in self.load_gates:
+            await self.load_gates[adapter].wait()
         self.loaded.add(adapter)
         self.world.append((self.index, "load", adapter))
 
@@ -88,7 +92,8 @@ def fake_engines(n: int, urls: list[str] | None = None) -> tuple[dict[int, FakeE
 def upstream_app(index: int):
     """A stand-in for `vllm serve`: /v1/completions answers with its engine
     index; streams when asked; the prompt "break" drops the connection after
-    the first chunk (an engine dying mid-response)."""
+    the first chunk (an engine dying mid-response); "slow" waits 3 s before
+    answering (or after the first chunk when streaming)."""
     app = FastAPI()
 
     @app.post("/v1/completions")
@@ -96,11 +101,16 @@ def upstream_app(index: int):
         body = await request.json()
         usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
         choice = {"index": 0, "text": f"engine-{index}", "finish_reason": "length"}
+        slow = body.get("prompt") == "slow"
         if not body.get("stream"):
+            if slow:
+                await asyncio.sleep(3)
             return {"model": body["model"], "choices": [choice], "usage": usage}
 
         async def events():
             yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+            if slow:
+                await asyncio.sleep(3)
             if body.get("prompt") == "break":
                 raise RuntimeError("engine died")
             if (body.get("stream_options") or {}).get("include_usage"):

@@ -28,7 +28,7 @@ def upstreams():
         s.stop()
 
 
-def run_router(urls, body, registry=None):
+def run_router(urls, body, registry=None, **app_kw):
     """Start a RouterCore over fake engines at `urls`, then run `body(client, core)`."""
     async def main():
         engines, _ = fake_engines(len(urls), urls)
@@ -36,7 +36,7 @@ def run_router(urls, body, registry=None):
                           RouterConfig(rebalance_s=None, health_failures=1,
                                        restart_attempts=0))
         await core.start()
-        app = build_app(core, register_source=registry)
+        app = build_app(core, register_source=registry, **app_kw)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://router") as client:
             await body(client, core)
@@ -126,6 +126,46 @@ def test_engine_dying_mid_stream_ends_the_stream_with_an_error(upstreams):
         engine = r.headers["x-loraserve-engine"]
         assert core.metrics.requests.labels("a8", engine, "failed")._value.get() == 1
         assert core.inflight[int(engine)] == 0
+    run_router(upstreams, body)
+
+
+def test_engine_too_slow_answers_504_and_releases_it(upstreams):
+    async def body(client, core):
+        r = await client.post("/v1/completions", json={"model": "a8", "prompt": "slow"})
+        assert r.status_code == 504 and "did not answer in time" in r.json()["error"]["message"]
+        engine = r.headers["x-loraserve-engine"]
+        assert core.metrics.requests.labels("a8", engine, "failed")._value.get() == 1
+        assert not +core.inflight and core.inflight_pairs["a8", int(engine)] == 0
+    run_router(upstreams, body, upstream_timeout_s=0.5)
+
+
+@pytest.mark.parametrize("leave_after_s", [0.0, 0.3])
+def test_client_leaving_a_stream_releases_its_engine(upstreams, leave_after_s):
+    """Before the relay ever ran (0 s) or while it waits for the engine."""
+    async def body(client, core):
+        app = build_app(core)
+        request = [{"type": "http.request", "more_body": False, "body": json.dumps(
+            {"model": "a8", "prompt": "slow", "stream": True}).encode()}]
+
+        async def receive():
+            if request:
+                return request.pop()
+            await asyncio.sleep(leave_after_s)
+            return {"type": "http.disconnect"}
+
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+                 "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+                 "server": ("router", 80), "headers": [(b"content-type", b"application/json")]}
+        await asyncio.wait_for(app(scope, receive, send), 2.5)  # the engine waits 3 s
+        assert not +core.inflight  # no engine has a request in flight
+        assert sum(core.metrics.requests.labels("a8", str(e), "cancelled")._value.get()
+                   for e in (0, 1)) == 1
     run_router(upstreams, body)
 
 

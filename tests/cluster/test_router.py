@@ -67,18 +67,74 @@ def test_moved_adapter_comes_from_a_peer_and_unloads_only_after_draining():
         a = "a8-0"
         (src, _), = core.assignment[a]
         dst = 1 - src
-        core.begin(a, src)  # a request in flight on the old holder
+        rank = core.begin(a, src)  # a request in flight on the old holder
         added = await core.set_placement({**core.assignment, a: [(dst, 1.0)]})
         assert added == 1
         assert core.routing.engines(a) == [dst]
         assert (dst, "fetch", a, f"peer-{src}") in world
         await asyncio.sleep(0.3)
         assert a in engines[src].loaded  # still draining
-        core.end(a, src, "ok", 10)
+        core.end(a, src, "ok", 10, rank)
         await core.settle()
         assert a not in engines[src].loaded and a not in engines[src].stored
         assert world.index((dst, "load", a)) < world.index((src, "unload", a))
         check_invariants(core, engines)
+    asyncio.run(body())
+
+
+def test_a_drain_never_unloads_a_pair_that_a_later_placement_put_back():
+    """Move `a` away while a request runs on it; put it back in a placement
+    that is still loading something else when that request ends."""
+    async def body():
+        core, engines, _ = make_core()
+        await core.start()
+        a = "a8-0"
+        (src, _), = core.assignment[a]
+        rank = core.begin(a, src)
+        await core.set_placement({**core.assignment, a: [(1 - src, 1.0)]})
+        b = next(x for x, v in core.assignment.items() if v == [(src, 1.0)] and x != a)
+        gate = engines[1 - src].load_gates[b] = asyncio.Event()
+        back = asyncio.create_task(core.set_placement(
+            {**core.assignment, a: [(src, 1.0)], b: [(1 - src, 1.0)]}))
+        await asyncio.sleep(0.05)  # `back` waits for b's load
+        core.end(a, src, "ok", 10, rank)  # the drain of (a, src) may go on
+        await asyncio.sleep(0.4)
+        gate.set()
+        await back
+        await core.settle()
+        assert core.assignment[a] == [(src, 1.0)] and a in engines[src].loaded
+        check_invariants(core, engines)
+    asyncio.run(body())
+
+
+def test_registering_an_adapter_of_a_new_rank_keeps_placement_working():
+    async def body():
+        core, engines, _ = make_core()
+        await core.start()
+        await core.register("r4", 4)  # no operating point for rank 4 in the profile
+        assert 4 in core.profile.operating_points
+        await core.rebalance()
+        await core.settle()
+        assert "r4" in core.assignment
+        check_invariants(core, engines)
+    asyncio.run(body())
+
+
+def test_a_failing_tick_does_not_stop_health_checks():
+    async def body():
+        core, engines, _ = make_core(health_interval_s=0.05)
+        await core.start()
+        calls = []
+
+        async def broken_check(engine):
+            calls.append(engine)
+            if len(calls) == 1:
+                raise RuntimeError("boom")
+        core._check = broken_check
+        task = asyncio.create_task(core.run())
+        await asyncio.sleep(0.5)
+        assert not task.done() and len(calls) > 2
+        task.cancel()
     asyncio.run(body())
 
 
@@ -182,9 +238,9 @@ def test_base_model_goes_to_the_least_loaded_engine():
     async def body():
         core, _, _ = make_core()
         await core.start()
-        core.begin("base", 0)
+        rank = core.begin("base", 0)
         assert core.choose("base") == 1
-        core.end("base", 0, "ok", 0)
+        core.end("base", 0, "ok", 0, rank)
         assert core.inflight[0] == 0
     asyncio.run(body())
 

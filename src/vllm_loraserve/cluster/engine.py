@@ -105,6 +105,8 @@ class Engine:
                 reason = r.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 reason = r.text[:300]
+            if "has already been loaded" in reason:  # e.g. an unload that failed earlier
+                return
             # the plugin's message (frontend/serving.py) names the adapter first
             raise AdapterRejected(reason.removeprefix(f"LoRA adapter '{adapter}' cannot be "
                                                       "served: "))

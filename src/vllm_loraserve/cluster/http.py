@@ -8,13 +8,17 @@ OpenAI-compatible: `/v1/models`, `/v1/completions`, `/v1/chat/completions`
 
 A request that fails before its first byte (engine down) is retried once on
 another engine that holds the adapter; a failure after that ends the stream
-with an error event. Every response names its engine in `x-loraserve-engine`.
+with an error event, and other transport errors answer 502 (504 on a
+timeout). Every request counted in flight (`RouterCore.begin`) is released
+exactly once (`_Lease`), also when the client goes away mid-stream. Every
+response names its engine in `x-loraserve-engine`.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
@@ -35,16 +39,65 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
                         content={"error": {"message": message, "type": kind, "code": status}})
 
 
+@dataclass
+class _Lease:
+    """One request in flight on one engine."""
+
+    core: RouterCore
+    model: str
+    engine: int
+    rank: int
+    done: bool = False
+
+    def release(self, status: str, tokens: int = 0) -> None:
+        if not self.done:
+            self.done = True
+            self.core.end(self.model, self.engine, status, tokens, self.rank)
+
+
+class _RelayResponse(StreamingResponse):
+    """Releases the lease and the upstream connection however the response
+    ends: Starlette cancels a stream whose client left, possibly before its
+    generator ever ran (whose `finally` then never runs)."""
+
+    def __init__(self, content, lease: _Lease, upstream: httpx.Response, **kw) -> None:
+        super().__init__(content, **kw)
+        self._lease, self._upstream = lease, upstream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._lease.release("cancelled")
+            await self._upstream.aclose()
+
+
+def _transport_error(engine: int, e: httpx.HTTPError) -> JSONResponse:
+    if isinstance(e, httpx.TimeoutException):
+        r = _error(504, f"engine {engine} did not answer in time ({type(e).__name__})",
+                   "GatewayTimeout")
+    else:
+        r = _error(502, f"engine {engine} failed: {type(e).__name__}: {e}", "BadGateway")
+    r.headers["x-loraserve-engine"] = str(engine)
+    return r
+
+
 def _usage_tokens(payload: dict) -> int:
     u = payload.get("usage") or {}
     return int(u.get("prompt_tokens", 0)) + int(u.get("completion_tokens", 0))
 
 
-def build_app(core: RouterCore, register_source=None) -> FastAPI:
+def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float = 600.0
+              ) -> FastAPI:
     """`register_source(name, path)` copies a newly registered adapter into the
-    adapter registry the engines fetch from."""
+    adapter registry the engines fetch from. An engine silent for
+    `upstream_timeout_s` answers 504."""
     app = FastAPI(title="vllm-loraserve router")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
+    # No pool limit: a queued request would wait for a free connection and fail
+    # on the pool timeout, not for lack of an engine.
+    client = httpx.AsyncClient(timeout=httpx.Timeout(upstream_timeout_s, connect=5.0),
+                               limits=httpx.Limits(max_connections=None,
+                                                   max_keepalive_connections=64))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -90,12 +143,12 @@ def build_app(core: RouterCore, register_source=None) -> FastAPI:
                 return _error(503, f"no live engine can serve `{model}` right now",
                               "ServiceUnavailable")
             url = f"{core.engines[engine].url}{path}"
-            core.begin(model, engine)
+            lease = _Lease(core, model, engine, core.begin(model, engine))
             try:
                 upstream = await client.send(client.build_request("POST", url, json=body),
                                              stream=True)
             except _RETRYABLE:
-                core.end(model, engine, "retried", 0)
+                lease.release("retried")
                 core.suspect(engine)
                 tried.add(engine)
                 if len(tried) >= 2:
@@ -103,25 +156,37 @@ def build_app(core: RouterCore, register_source=None) -> FastAPI:
                                   "ServiceUnavailable")
                 core.metrics.retries.inc()
                 continue
+            except httpx.HTTPError as e:
+                lease.release("failed")
+                return _transport_error(engine, e)
+            except BaseException:  # cancelled: the client left
+                lease.release("cancelled")
+                raise
             headers = {"x-loraserve-engine": str(engine)}
             if upstream.status_code != 200 or not stream:
                 try:
                     content = await upstream.aread()
+                except httpx.HTTPError as e:
+                    lease.release("failed")
+                    return _transport_error(engine, e)
+                except BaseException:
+                    lease.release("cancelled")
+                    raise
                 finally:
                     await upstream.aclose()
                 try:
                     payload = json.loads(content)
-                except json.JSONDecodeError:
+                except ValueError:  # not JSON, or not even UTF-8
                     payload = {"error": {"message": content.decode(errors="replace")[:500]}}
                 status = "ok" if upstream.status_code == 200 else f"http_{upstream.status_code}"
-                core.end(model, engine, status, _usage_tokens(payload))
+                lease.release(status, _usage_tokens(payload))
                 return JSONResponse(payload, status_code=upstream.status_code, headers=headers)
-            return StreamingResponse(_relay(upstream, model, engine, client_wants_usage),
-                                     media_type="text/event-stream", headers=headers)
+            return _RelayResponse(_relay(upstream, lease, client_wants_usage), lease, upstream,
+                                  media_type="text/event-stream", headers=headers)
 
-    async def _relay(upstream: httpx.Response, model: str, engine: int,
+    async def _relay(upstream: httpx.Response, lease: _Lease,
                      forward_usage: bool) -> AsyncIterator[bytes]:
-        tokens, status = 0, "ok"
+        tokens, status = 0, "cancelled"  # unless the loop ends or fails
         try:
             async for line in upstream.aiter_lines():
                 if line.startswith("data: {") and '"usage"' in line:
@@ -131,15 +196,17 @@ def build_app(core: RouterCore, register_source=None) -> FastAPI:
                         if not chunk.get("choices") and not forward_usage:
                             continue
                 yield (line + "\n").encode()
-        except _RETRYABLE as e:
+            status = "ok"
+        except httpx.HTTPError as e:
             status = "failed"
-            core.suspect(engine)
-            err = {"error": {"message": f"engine {engine} failed during the response: {e}",
+            core.suspect(lease.engine)
+            err = {"error": {"message": f"engine {lease.engine} failed during the response: "
+                                        f"{type(e).__name__}: {e}",
                              "type": "EngineFailure", "code": 502}}
             yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
         finally:
+            lease.release(status, tokens)  # first: the await below may be cancelled
             await upstream.aclose()
-            core.end(model, engine, status, tokens)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -230,8 +297,10 @@ def build_app(core: RouterCore, register_source=None) -> FastAPI:
     async def restart(index: int) -> JSONResponse:
         if index not in core.engines:
             return _error(404, f"no engine {index}", "NotFoundError")
-        info = await core.engines[index].restart()
-        await core.check_now(index)
+        try:
+            info = await core.restart_engine(index)
+        except Exception as e:
+            return _error(502, f"engine {index} did not restart: {e}", "BadGateway")
         return JSONResponse(info)
 
     app.state.core = core

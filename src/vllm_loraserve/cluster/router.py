@@ -20,7 +20,10 @@ table, demand, placement, migration, health.
 
 Invariants: routing only names engines in `holders` for that adapter (pairs
 are ensured before a switch and unloaded after one); every known adapter has
-a routing entry while any engine is alive.
+a routing entry while any engine is alive. Placements are applied under one
+lock, and a drain decides to unload under it too, so it never unloads a pair
+that a placement being applied still routes to; an ensure of a pair waits for
+that pair's running unload.
 
 `RouterCore` knows engines only through `EngineHandle`, so it runs under Ray
 (launch.py) and in unit tests with fakes alike.
@@ -46,6 +49,7 @@ from vllm_loraserve.cluster.placement import Assignment, PlacementInput, get_pol
 from vllm_loraserve.cluster.placement.toppings import EngineView, ToppingsRouter
 from vllm_loraserve.cluster.routing import RoutingTable
 from vllm_loraserve.perf.model import Profile
+from vllm_loraserve.perf.operating import with_operating_points
 from vllm_loraserve.workloads.trace import AdapterSpec
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -126,6 +130,7 @@ class RouterCore:
         self.inflight_pairs: Counter[tuple[str, int]] = Counter()
         self._inflight_ranks: dict[int, Counter[int]] = {e: Counter() for e in self.engines}
         self._ensuring: dict[tuple[str, int], asyncio.Task] = {}
+        self._unloading: dict[tuple[str, int], asyncio.Task] = {}
         self._placement_lock = asyncio.Lock()
         self._rng = np.random.default_rng(config.seed)
         self._background: set[asyncio.Task] = set()
@@ -147,11 +152,16 @@ class RouterCore:
         last = time.monotonic()
         while True:
             await asyncio.sleep(self.config.health_interval_s)
-            for e in list(self.engines):
-                await self._check(e)
-            if self.config.rebalance_s and time.monotonic() - last >= self.config.rebalance_s:
-                last = time.monotonic()
-                await self.rebalance()
+            try:
+                for e in list(self.engines):
+                    await self._check(e)
+                if (self.config.rebalance_s
+                        and time.monotonic() - last >= self.config.rebalance_s):
+                    last = time.monotonic()
+                    await self.rebalance()
+            except Exception:  # one bad tick must not end health checks for good
+                logger.exception("router tick failed; next tick in %ss",
+                                 self.config.health_interval_s)
 
     async def settle(self) -> None:
         """Wait for background work (drains, unloads, checks, restarts) to end."""
@@ -211,12 +221,13 @@ class RouterCore:
                 self._reject(a, str(r))
             elif isinstance(r, Exception):
                 logger.error("could not place adapter %s on engine %s: %s", a, e, r)
-        # Route only to pairs that hold the adapter; keep the old route if none does.
+        # Route only to pairs that hold the adapter now (a drain may have ended
+        # during the loads); keep the old route if none does.
         routed = {}
         for a, entries in new.items():
             if a not in self.catalog:
                 continue
-            kept = [(e, p) for e, p in entries if (a, e) not in failed]
+            kept = [(e, p) for e, p in entries if e in self.holders.get(a, ())]
             total = sum(p for _, p in kept)
             routed[a] = ([(e, p / total) for e, p in kept] if kept
                          else self.assignment.get(a, []))
@@ -236,6 +247,8 @@ class RouterCore:
     async def ensure(self, adapter: str, engine: int) -> None:
         """Make `engine` hold `adapter` (one attempt at a time per pair)."""
         key = (adapter, engine)
+        if key in self._unloading:  # let a running unload of this pair end first
+            await asyncio.wait([self._unloading[key]])
         if engine in self.holders[adapter]:
             return
         if key not in self._ensuring:
@@ -248,11 +261,16 @@ class RouterCore:
     async def _fetch_and_load(self, adapter: str, engine: int) -> None:
         handle = self.engines[engine]
         peers = sorted(e for e in self.holders[adapter] if e in self.alive and e != engine)
+        info = None
         if peers:
             source = "peer"
-            info = await handle.fetch_from_peer(self.engines[peers[0]].transport_address,
-                                                adapter)
-        else:
+            try:
+                info = await handle.fetch_from_peer(self.engines[peers[0]].transport_address,
+                                                    adapter)
+            except Exception as e:  # the registry still has it
+                logger.warning("fetching %s from engine %s failed (%s); using the registry",
+                               adapter, peers[0], e)
+        if info is None:
             source = "registry"
             info = await handle.fetch_from_source(adapter)
         self.metrics.fetches.labels(source).inc()
@@ -269,17 +287,29 @@ class RouterCore:
             self.invalid[adapter] = reason
 
     async def _drain_and_unload(self, adapter: str, engine: int) -> None:
+        key = (adapter, engine)
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while self.inflight_pairs[(adapter, engine)] and time.monotonic() < deadline:
+        while self.inflight_pairs[key] and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        if engine in {e for e, _ in self.assignment.get(adapter, [])}:
-            return  # placed here again meanwhile
-        self.holders[adapter].discard(engine)
-        if engine in self.alive:
-            try:
-                await self.engines[engine].unload(adapter)
-            except Exception as e:  # the next placement will retry the pair if needed
-                logger.warning("unloading %s from engine %s failed: %s", adapter, engine, e)
+        # Under the lock, so no placement is half applied: one that put the
+        # pair back is seen here, and none starts routing to it from now on.
+        async with self._placement_lock:
+            if (engine in {e for e, _ in self.assignment.get(adapter, [])}
+                    or engine not in self.holders.get(adapter, ()) or key in self._unloading):
+                return  # placed here again meanwhile, or already gone
+            self.holders[adapter].discard(engine)
+            if engine not in self.alive:
+                return
+            task = self._unloading[key] = asyncio.create_task(
+                self.engines[engine].unload(adapter))
+        try:
+            await task
+        except Exception as e:  # still held as far as we know: the next placement retries
+            logger.warning("unloading %s from engine %s failed: %s", adapter, engine, e)
+            if engine in self.alive and adapter in self.holders:
+                self.holders[adapter].add(engine)
+        finally:
+            self._unloading.pop(key, None)
 
     # -- health --------------------------------------------------------------
     async def _check(self, engine: int) -> None:
@@ -300,11 +330,11 @@ class RouterCore:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _engine_down(self, engine: int) -> None:
+    async def _engine_down(self, engine: int, why: str = "failed its health check") -> None:
         async with self._placement_lock:
             if engine not in self.alive:
                 return  # another check got here first
-            logger.error("engine %s failed its health check: taken out of routing", engine)
+            logger.error("engine %s %s: taken out of routing", engine, why)
             self.alive.discard(engine)
             for holders in self.holders.values():
                 holders.discard(engine)
@@ -387,28 +417,45 @@ class RouterCore:
         self.routing = RoutingTable(self.assignment)
         return target
 
-    def begin(self, model: str, engine: int) -> None:
+    def begin(self, model: str, engine: int) -> int:
+        """Count a request in flight; returns its rank (0: base model), which
+        `end` takes back (the catalog may change meanwhile)."""
+        rank = self.catalog.get(model, 0)
         self.inflight[engine] += 1
         self.inflight_pairs[(model, engine)] += 1
-        if model in self.catalog:
-            self._inflight_ranks[engine][self.catalog[model]] += 1
+        if rank:
+            self._inflight_ranks[engine][rank] += 1
         self.metrics.inflight.labels(str(engine)).set(self.inflight[engine])
+        return rank
 
-    def end(self, model: str, engine: int, status: str, tokens: int) -> None:
+    def end(self, model: str, engine: int, status: str, tokens: int, rank: int) -> None:
+        """Exactly once per `begin`."""
         self.inflight[engine] -= 1
         self.inflight_pairs[(model, engine)] -= 1
-        if model in self.catalog:
+        if rank:
             ranks = self._inflight_ranks[engine]
-            ranks[self.catalog[model]] -= 1
-            if ranks[self.catalog[model]] <= 0:
-                del ranks[self.catalog[model]]
-            if tokens:
-                self.demand.record(model, tokens)
+            ranks[rank] -= 1
+            if ranks[rank] <= 0:
+                del ranks[rank]
+        if tokens and model in self.catalog:
+            self.demand.record(model, tokens)
         self.metrics.inflight.labels(str(engine)).set(self.inflight[engine])
         self.metrics.requests.labels(model, str(engine), status).inc()
 
     async def check_now(self, engine: int) -> None:
         await self._check(engine)
+
+    async def restart_engine(self, engine: int) -> dict:
+        """An operator's restart: out of routing first (its adapters placed on
+        the others), then a fresh server, which rejoins once healthy."""
+        self._restarting.add(engine)  # no automatic restart races this one
+        try:
+            await self._engine_down(engine, "restarts on request")
+            info = await self.engines[engine].restart()
+            await self._check(engine)
+            return info
+        finally:
+            self._restarting.discard(engine)
 
     def suspect(self, engine: int) -> None:
         """A request failed on `engine`: check its health now, not at the next tick."""
@@ -418,6 +465,9 @@ class RouterCore:
     async def register(self, adapter: str, rank: int) -> None:
         """Serve a new adapter; if an engine refuses it, it ends in `invalid`."""
         async with self._placement_lock:
+            if rank not in self.profile.operating_points:  # placement needs its capacity
+                self.profile = await asyncio.to_thread(with_operating_points, self.profile,
+                                                       [rank])
             self.invalid.pop(adapter, None)
             self.catalog[adapter] = rank
             self.holders.setdefault(adapter, set())
