@@ -205,8 +205,7 @@ def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float 
                              "type": "EngineFailure", "code": 502}}
             yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
         finally:
-            lease.release(status, tokens)  # first: the await below may be cancelled
-            await upstream.aclose()
+            lease.release(status, tokens)  # the response closes upstream (_RelayResponse)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -188,16 +188,17 @@ class LoRAServePlacement:
             servers = dedicated[rank] = list(range(next_server, next_server + budgets[rank]))
             next_server += budgets[rank]
             demanded = [(a.name, util[a.name]) for a in by_rank[rank] if util[a.name] > _EPS]
-            if servers and demanded and inp.cold:
+            if not (servers and demanded):
+                continue
+            if inp.cold:
                 for name, u in demanded:  # no measured demand to pack: spread
                     parts[name] = {s: u / len(servers) for s in servers}
                     for s in servers:
                         loads[s] += u / len(servers)
-            elif servers and demanded:
+            else:
                 left_over.update(fractional_bin_packing(demanded, servers, target, loads, parts))
-            if servers and demanded:
-                for s in servers:
-                    max_rank[s] = max(max_rank[s], rank)
+            for s in servers:
+                max_rank[s] = max(max_rank[s], rank)
         packed = {name: dict(p) for name, p in parts.items()}
         for a in inp.adapters:
             if a.name not in parts:
