@@ -37,12 +37,50 @@ class LoraServeConfig:
         flag="--loraserve-adapter-dir",
         action="append",
     )
+    pool: str = _opt(
+        "paged",
+        "Where adapter weights live on the device. 'paged': in pages of the KV "
+        "cache, each adapter at its true rank, computed by the paged kernels, with "
+        "no cap on distinct adapters per batch (the default). 'vllm': vLLM's own "
+        "LoRA slots (padded to --max-lora-rank, at most --max-loras per batch).",
+        flag="--loraserve-pool",
+        choices=("paged", "vllm"),
+    )
+    host_cache_bytes: int = _opt(
+        8 << 30,
+        "Byte budget of the paged pool's host tier: adapters read from disk are "
+        "kept in host memory, least recently used evicted first, and re-read "
+        "from disk when needed again.",
+        flag="--loraserve-host-cache-bytes",
+    )
+    max_slots: int = _opt(
+        4096,
+        "Most adapters resident in the paged pool at once (the length of the "
+        "per-step slot table the kernels read).",
+        flag="--loraserve-max-slots",
+    )
+    kernel: str = _opt(
+        "auto",
+        "LoRA kernel backend of the paged pool: 'triton' (MBGMM/MBGMV), 'torch' "
+        "(reference), or 'auto' (triton on CUDA, torch elsewhere).",
+        flag="--loraserve-kernel",
+        choices=("auto", "triton", "torch"),
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.adapter_dirs, list) or not all(
             isinstance(d, str) for d in self.adapter_dirs
         ):
             raise ValueError("loraserve.adapter_dirs must be a list of paths")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"loraserve.{f.name} must be one of {list(choices)}, "
+                                 f"got {getattr(self, f.name)!r}")
+        for name in ("host_cache_bytes", "max_slots"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"loraserve.{name} must be a positive integer, got {value!r}")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> LoraServeConfig:

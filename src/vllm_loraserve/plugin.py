@@ -33,9 +33,11 @@ def register() -> None:
         return
 
     from vllm_loraserve.frontend import args, endpoint
+    from vllm_loraserve.scheduler import scheduler
     from vllm_loraserve.worker import hooks, rendezvous
 
     args.install()
     endpoint.install_gate()
+    scheduler.install()
     hooks.install()
     rendezvous.install()

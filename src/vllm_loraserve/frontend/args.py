@@ -24,6 +24,7 @@ logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
 
 PLUGIN_NAME = "loraserve"
 WORKER_EXTENSION = "vllm_loraserve.worker.extension.LoraServeWorkerExtension"
+POOL_SCHEDULER = "vllm_loraserve.scheduler.scheduler.make_scheduler"
 
 _active: LoraServeConfig | None = None
 
@@ -56,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in _flag_fields():
         kind = f.metadata.get("action")
         extra: dict[str, Any] = {"action": kind} if kind else {"type": type(f.default)}
+        if "choices" in f.metadata:
+            extra["choices"] = f.metadata["choices"]
         group.add_argument(f.metadata["flag"], dest=_dest(f), default=None,
                            help=f.metadata["help"], **extra)
 
@@ -106,6 +109,12 @@ def activate(engine_args: Any) -> None:
             f"it cannot be combined with {ext}"
         )
     engine_args.worker_extension_cls = WORKER_EXTENSION
+    if cfg.pool == "paged":
+        sched = engine_args.scheduler_cls
+        if sched and sched != POOL_SCHEDULER:
+            raise ValueError(f"the loraserve pool needs --scheduler-cls {POOL_SCHEDULER}; it "
+                             f"cannot be combined with {sched} (or use --loraserve-pool vllm)")
+        engine_args.scheduler_cls = POOL_SCHEDULER
     engine_args.additional_config[ADDITIONAL_CONFIG_KEY] = cfg.to_dict()
     _active = cfg
     logger.info("vllm-loraserve active: %s", cfg)

@@ -37,6 +37,7 @@ class AdapterEntry:
     error: str | None = None
     lora_int_id: int | None = None
     residency: str = "disk"
+    pages: int | None = None  # pages held in the paged pool, when resident there
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "path": self.path, "source": self.source}
@@ -54,6 +55,7 @@ class AdapterEntry:
             "size_bytes": s.size_bytes,
             "base_model": s.base_model,
             "residency": self.residency,
+            **({"pages": self.pages} if self.pages is not None else {}),
         }
 
 
@@ -120,11 +122,14 @@ class AdapterCatalog:
             self._names_by_id.pop(entry.lora_int_id, None)
         return entry
 
-    def update_residency(self, gpu_ids: list[int], host_ids: list[int]) -> None:
-        gpu, host = set(gpu_ids), set(host_ids)
+    def update_residency(self, gpu_ids: list[int], host_ids: list[int],
+                         pages: dict[int, int] | None = None) -> None:
+        """Tiers from a worker snapshot; `pages` (paged pool only) per GPU id."""
+        gpu, host, pages = set(gpu_ids), set(host_ids), pages or {}
         for entry in self.entries.values():
             i = entry.lora_int_id
             entry.residency = "gpu" if i in gpu else "host" if i in host else "disk"
+            entry.pages = pages.get(i) if i in gpu else None
 
     def name_of(self, lora_int_id: int) -> str | None:
         return self._names_by_id.get(lora_int_id)

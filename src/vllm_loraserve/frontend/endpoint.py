@@ -36,7 +36,7 @@ async def _refresh(state: Any) -> None:
     """Pull residency and load events from the workers into catalogue and metrics."""
     catalog = serving.catalog_of(state.openai_serving_models)
     snapshot = (await state.engine_client.collective_rpc("loraserve_residency"))[0]
-    catalog.update_residency(snapshot["gpu"], snapshot["host"])
+    catalog.update_residency(snapshot["gpu"], snapshot["host"], snapshot.get("pages"))
     events = [(catalog.name_of(i) or f"lora-id-{i}", tier, seconds)
               for i, tier, seconds in snapshot["events"]]
     m = metrics()

@@ -1,10 +1,15 @@
-"""Worker-process patch: the one place where the plugin joins a worker.
+"""Worker-process patches: the one place where the plugin joins a worker.
 
 `LoRAModelRunnerMixin.load_lora_model` is where every model runner (GPU V1,
 GPU V2, CPU) creates its LoRA manager (vllm/v1/worker/lora_model_runner_mixin.py,
-identical in 0.26 and 0.27). The wrapper runs the original, then, only when
-the plugin is active for this engine, attaches the residency tracker and, on
-the CPU platform, installs the no-adapter fix for the CPU LoRA ops.
+identical in 0.26 and 0.27). Only when the plugin is active for this engine:
+- with the paged pool, `PagedWorkerLoRAManager` replaces vLLM's manager;
+  `initialize_kv_cache` then binds it to the KV cache and `execute_model`
+  applies the scheduler's page decisions before each forward pass;
+- with `--loraserve-pool vllm`, vLLM's manager stays, the residency tracker
+  watches it and, on the CPU platform, the no-adapter fix for the CPU LoRA
+  ops is installed.
+The V1 runner classes are patched (the CPU runner subclasses GPU V1).
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
 
 def _make_load_lora_model(load_lora_model):
     def patched(self, model, vllm_config, device):
+        cfg = from_vllm_config(vllm_config)
+        if cfg is not None and cfg.pool == "paged":
+            return _load_paged(self, model, vllm_config, device, cfg)
         lora_model = load_lora_model(self, model, vllm_config, device)
-        if from_vllm_config(vllm_config) is None:
+        if cfg is None:
             return lora_model
         from vllm.platforms import current_platform
 
@@ -38,7 +46,54 @@ def _make_load_lora_model(load_lora_model):
     return patched
 
 
+def _load_paged(runner, model, vllm_config, device, cfg):
+    from vllm.model_executor.models import supports_lora
+
+    from vllm_loraserve.worker.extension import TRACKER_ATTR
+    from vllm_loraserve.worker.paged_manager import PagedWorkerLoRAManager
+
+    if not supports_lora(model):
+        raise ValueError(f"{model.__class__.__name__} does not support LoRA yet.")
+    runner.lora_manager = PagedWorkerLoRAManager(vllm_config, device, model.embedding_modules,
+                                                 cfg)
+    setattr(runner, TRACKER_ATTR, runner.lora_manager)
+    return runner.lora_manager.create_lora_manager(model, vllm_config)
+
+
+def _paged_manager(runner):
+    from vllm_loraserve.worker.paged_manager import PagedWorkerLoRAManager
+
+    manager = getattr(runner, "lora_manager", None)
+    return manager if isinstance(manager, PagedWorkerLoRAManager) else None
+
+
+def _make_initialize_kv_cache(initialize_kv_cache):
+    def patched(self, kv_cache_config, *a, **kw):
+        out = initialize_kv_cache(self, kv_cache_config, *a, **kw)
+        manager = _paged_manager(self)
+        if manager is not None and self.kv_caches:
+            manager.bind_kv_cache(self.kv_caches)
+        return out
+
+    return patched
+
+
+def _make_execute_model(execute_model):
+    def patched(self, scheduler_output, *a, **kw):
+        manager = _paged_manager(self)
+        if manager is not None:
+            from vllm_loraserve.paging.step import STEP_ATTR
+
+            manager.apply_step(getattr(scheduler_output, STEP_ATTR, None))
+        return execute_model(self, scheduler_output, *a, **kw)
+
+    return patched
+
+
 def install() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
 
     wrap(LoRAModelRunnerMixin, "load_lora_model", _make_load_lora_model)
+    wrap(GPUModelRunner, "initialize_kv_cache", _make_initialize_kv_cache)
+    wrap(GPUModelRunner, "execute_model", _make_execute_model)

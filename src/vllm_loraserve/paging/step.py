@@ -1,0 +1,38 @@
+"""What the scheduler tells the workers about adapter pages, once per step.
+
+The scheduler owns every page decision (it owns vLLM's only BlockPool); the
+workers copy weights into the pages and compute with them. `PoolStep` rides
+on vLLM's `SchedulerOutput` as the attribute `loraserve` (a plain dataclass,
+so it survives the pickled multiprocess path), and workers apply it before
+the step's forward pass: first `evicted`, then `loads`.
+
+Invariant: after applying every `PoolStep` in order, a worker's slot table
+equals the scheduler's resident set, and every adapter a scheduled request
+uses is in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+STEP_ATTR = "loraserve"
+
+
+@dataclass(frozen=True)
+class PageLoad:
+    """Write adapter `lora_request` (rank `rank`) into `page_ids`; it lives in `slot`."""
+
+    slot: int
+    lora_request: Any  # vllm.lora.request.LoRARequest
+    rank: int
+    page_ids: tuple[int, ...]
+
+
+@dataclass
+class PoolStep:
+    evicted: list[int] = field(default_factory=list)  # slots freed this step
+    loads: list[PageLoad] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.evicted or self.loads)

@@ -1,0 +1,247 @@
+"""vLLM's worker LoRA manager, replaced by the paged pool.
+
+`PagedWorkerLoRAManager` takes the place of vLLM's `LRUCacheWorkerLoRAManager`
+in every model runner (worker/hooks.py) and honours the narrow interface the
+runners use (set_active_adapters, add/remove/list adapters, the dummy-adapter
+warm-up calls). Differences from vLLM:
+
+- vLLM's LoRA layer classes still wrap the model (they know TP slicing and
+  packed layers), but hold no weights: each gets a `PagedLinearLoRA` as its
+  punica wrapper, which computes from KV pages (worker/pool.py).
+- Residency is decided by the scheduler (scheduler/pages.py); `apply_step`
+  carries out its `PoolStep` before each forward pass.
+- Loaded adapters are kept, in page layout, in a byte-bounded host tier
+  (worker/host_cache.py). A runtime `add_lora` fills that tier (prefetch).
+- Embedding and lm_head adapters are not wrapped, so the API server's checks
+  refuse adapters that target them (HTTP 400, naming the module).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+from vllm.lora.model_manager import LoRAModelManager, create_lora_manager
+from vllm.lora.worker_manager import WorkerLoRAManager
+from vllm.model_executor.models.utils import extract_layer_index
+
+from vllm_loraserve.config import LoraServeConfig
+from vllm_loraserve.kernels.batch import ModuleSlices
+from vllm_loraserve.paging.layout import pack_layer
+from vllm_loraserve.paging.model import model_layout, module_slice_names
+from vllm_loraserve.paging.step import PoolStep
+from vllm_loraserve.worker.host_cache import HostAdapter, HostCache
+from vllm_loraserve.worker.pool import DevicePool, PagedLinearLoRA
+from vllm_loraserve.worker.residency import MAX_BUFFERED_EVENTS
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+
+class _OneRankConfig:
+    """vLLM's LoRAConfig with max_lora_rank 1: vLLM's layers then allocate
+    1-row stacks (they must exist, but the pool never reads them)."""
+
+    max_lora_rank = 1
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+class PagedLoRAModelManager(LoRAModelManager):
+    """vLLM's model manager for module wrapping only; it never activates
+    adapters (the pool does)."""
+
+    @property
+    def lora_slots(self) -> int:
+        return 1
+
+    def _match_target_modules(self, module_name: str) -> bool:
+        if module_name.rsplit(".", 1)[-1] in getattr(self.model, "embedding_modules", {}):
+            return False
+        return super()._match_target_modules(module_name)
+
+    def _create_lora_modules(self) -> None:
+        real, self.lora_config = self.lora_config, _OneRankConfig(self.lora_config)
+        try:
+            super()._create_lora_modules()
+        finally:
+            self.lora_config = real
+
+
+class PagedWorkerLoRAManager(WorkerLoRAManager):
+    _manager_cls = PagedLoRAModelManager
+
+    def __init__(self, vllm_config: Any, device: torch.device,
+                 embedding_modules: dict[str, str], cfg: LoraServeConfig) -> None:
+        super().__init__(vllm_config, device, embedding_modules)
+        self.vllm_config, self.cfg = vllm_config, cfg
+        self.host = HostCache(cfg.host_cache_bytes)
+        self.pool: DevicePool | None = None
+        self._dummy_ids: set[int] = set()
+        self._events: deque[tuple[int, str, float]] = deque(maxlen=MAX_BUFFERED_EVENTS)
+        self.dropped_events = 0
+
+    # -- model wrapping -----------------------------------------------------
+    def create_lora_manager(self, model: torch.nn.Module, vllm_config: Any) -> Any:
+        manager = create_lora_manager(
+            model, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, vocab_size=self.vocab_size,
+            lora_config=self.lora_config, vllm_config=vllm_config, device=self.device,
+            lora_manager_cls=self._manager_cls)
+        self._adapter_manager = manager
+        text_config = vllm_config.model_config.hf_text_config
+        self.num_layers = text_config.num_hidden_layers
+        # The page size is only known once the KV cache exists; the layout's
+        # slices are not, and are checked against the wrapped layers now.
+        self._slices = model_layout(text_config, 256).slices
+        backend = self.cfg.kernel
+        if backend == "auto":
+            backend = "triton" if torch.device(self.device).type == "cuda" else "torch"
+        self._backend = backend
+        self._layers: list[tuple[BaseLinearLayerWithLoRA, int, tuple[str, ...]]] = []
+        for name, module in manager.modules.items():
+            if not isinstance(module, BaseLinearLayerWithLoRA):
+                raise ValueError(f"the loraserve pool computes linear LoRA layers only; "
+                                 f"{name} is a {type(module).__name__} "
+                                 "(use --loraserve-pool vllm)")
+            self._layers.append((module, extract_layer_index(name),
+                                 module_slice_names(name.rsplit(".", 1)[-1])))
+        return manager.model
+
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+        """Build the device pool over the KV cache (once, after vLLM made it)."""
+        page_size = kv_caches[0][0].numel()
+        layout = model_layout(self.vllm_config.model_config.hf_text_config, page_size)
+        max_slices = max(len(s) for _, _, s in self._layers)
+        self.pool = DevicePool(layout, self.num_layers, self.lora_config.max_lora_rank,
+                               self.max_num_batched_tokens, max_slices, self._backend,
+                               torch.device(self.device))
+        self.pool.bind(kv_caches)
+        for module, layer, names in self._layers:
+            ms = ModuleSlices.of(layout, names)
+            if (ms.in_features, ms.out_features) != (module.input_size,
+                                                     tuple(module.output_slices)):
+                raise ValueError(
+                    f"layer {layer} {names}: the model's LoRA layer is "
+                    f"{module.input_size} -> {tuple(module.output_slices)}, the pool's layout "
+                    f"says {ms.in_features} -> {ms.out_features} (use --loraserve-pool vllm)")
+            module.set_mapping(PagedLinearLoRA(self.pool, layer, ms))
+        logger.info("vllm-loraserve pool bound: %d layers, %d pages of %d elements, %s kernels",
+                    self.num_layers, kv_caches[0].shape[0], page_size, self._backend)
+
+    # -- host tier ------------------------------------------------------------
+    def _record(self, lora_id: int, tier: str, seconds: float) -> None:
+        if len(self._events) == self._events.maxlen:
+            self.dropped_events += 1
+        self._events.append((lora_id, tier, seconds))
+
+    def _host_adapter(self, lora_request: Any) -> HostAdapter:
+        """The adapter in page layout, from the host tier or read from disk."""
+        lora_id = lora_request.lora_int_id
+        entry = self.host.get(lora_id)
+        if entry is not None and not lora_request.load_inplace:
+            return entry
+        t0 = time.perf_counter()
+        if self.pool is None:
+            raise RuntimeError("adapter loaded before the pool was bound to the KV cache")
+        lora = self._load_adapter(lora_request)
+        layout = self.pool.layout
+        per_layer: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
+            {} for _ in range(self.num_layers)]
+        rank = lora.rank
+        for name, w in lora.loras.items():
+            # Scaling folded into B here; pack_layer then stores B transposed.
+            per_layer[extract_layer_index(name)][name.rsplit(".", 1)[-1]] = (
+                w.lora_a, w.lora_b * w.scaling)
+        targets = sorted({t for layer in per_layer for t in layer})
+        placement = layout.place(rank, targets)
+        dtype = self.lora_config.lora_dtype
+        streams = torch.stack([pack_layer(layout, placement, w, 1.0, dtype)
+                               for w in per_layer])
+        if torch.device(self.device).type == "cuda":
+            streams = streams.pin_memory()
+        entry = HostAdapter(lora_request.lora_name, placement, streams)
+        self.host.put(lora_id, entry)
+        self._record(lora_id, "host", time.perf_counter() - t0)
+        return entry
+
+    # -- the scheduler's page decisions ---------------------------------------
+    def apply_step(self, step: PoolStep | None) -> None:
+        if not step:
+            return
+        if self.pool is None:
+            raise RuntimeError("adapter pages scheduled before the pool was bound to the KV cache")
+        for slot in step.evicted:
+            self.pool.evict(slot)
+        for load in step.loads:
+            entry = self._host_adapter(load.lora_request)
+            if entry.placement.rank != load.rank or entry.placement.num_pages != len(
+                    load.page_ids):
+                raise RuntimeError(
+                    f"adapter {load.lora_request.lora_name}: the scheduler planned rank "
+                    f"{load.rank} in {len(load.page_ids)} pages, the files hold rank "
+                    f"{entry.placement.rank} in {entry.placement.num_pages}")
+            t0 = time.perf_counter()
+            self.pool.load(load.slot, load.lora_request.lora_int_id, entry.placement,
+                           load.page_ids, entry.streams)
+            self._record(load.lora_request.lora_int_id, "gpu", time.perf_counter() - t0)
+
+    # -- the model runner's interface -------------------------------------------
+    def set_active_adapters(self, requests: set[Any], mapping: Any | None) -> None:
+        if mapping is None:
+            return
+        if self.pool is None:  # profiling and warm-up run before the KV cache exists
+            used = {i for i in mapping.index_mapping if i > 0} - self._dummy_ids
+            if used:
+                raise RuntimeError(f"adapters {sorted(used)} scheduled before the pool exists")
+            return
+        self.pool.set_tokens(np.asarray(mapping.index_mapping), self._dummy_ids)
+
+    def add_dummy_lora(self, lora_request: Any, rank: int) -> bool:
+        # Warm-up adapters are never written: their tokens run without LoRA.
+        self._dummy_ids.add(lora_request.lora_int_id)
+        return True
+
+    def get_dummy_lora_warmup_rank(self, default_rank: int) -> int:
+        return default_rank
+
+    def remove_all_adapters(self) -> None:
+        # vLLM calls this after warm-up; resident adapters belong to the scheduler.
+        self._dummy_ids.clear()
+
+    def add_adapter(self, adapter_request: Any) -> bool:
+        """Runtime add_lora: read the adapter into the host tier now."""
+        self._host_adapter(adapter_request)
+        return True
+
+    def remove_adapter(self, adapter_id: int) -> bool:
+        return self.host.pop(adapter_id) is not None
+
+    def pin_adapter(self, adapter_id: int) -> bool:
+        raise ValueError("pinning adapters is not supported by the loraserve pool yet "
+                         "(use --loraserve-pool vllm)")
+
+    def list_adapters(self) -> set[int]:
+        resident = set(self.pool.slot_of) if self.pool else set()
+        return resident | set(self.host.ids())
+
+    def supports_tower_connector_lora(self) -> bool:
+        return False
+
+    # -- residency report (worker/extension.py) -----------------------------------
+    def snapshot(self, drain_events: bool = True) -> dict[str, Any]:
+        gpu = sorted(self.pool.slot_of) if self.pool else []
+        events = list(self._events)
+        if drain_events:
+            self._events.clear()
+        return {"gpu": gpu, "host": sorted(set(self.host.ids()) - set(gpu)),
+                "pages": {i: self.pool.pages_of(i) for i in gpu},
+                "events": events, "dropped_events": self.dropped_events}

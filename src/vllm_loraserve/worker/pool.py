@@ -1,0 +1,131 @@
+"""One worker's view of the unified pool: KV tensors as adapter pages.
+
+`DevicePool` holds what every paged LoRA layer of a step reads:
+- `pages[l]`: layer l's KV cache tensor seen as [num_blocks, page_size]
+  elements (block id b = page b; paging/layout.py);
+- the slot table (rank, segment offsets, page ids of each resident adapter),
+  changed only by `PoolStep`s from the scheduler (paging/step.py);
+- the step's `TokenBatch` (tokens grouped by slot), set before the forward;
+- `h`, the shrink output buffer, allocated once at its largest size.
+
+`PagedLinearLoRA` stands in for the punica wrapper of one vLLM LoRA layer:
+vLLM's layer calls `add_lora_linear(y, x, ...)` after its base GEMM, and the
+stand-in adds that layer's delta through the kernel backend, reading pages of
+its own layer. Tokens without an adapter are never touched.
+
+Invariant: a token's adapter id maps to a slot only if that adapter's pages
+were written in this or an earlier step; a real adapter id without a slot is
+an error, never silently served without its adapter.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_loraserve.kernels import SlotTable, get_backend, make_batch
+from vllm_loraserve.kernels.batch import ModuleSlices, TokenBatch
+from vllm_loraserve.paging.layout import AdapterPlacement, LayerLayout
+
+
+def page_view(kv: torch.Tensor, page_size: int) -> torch.Tensor:
+    """A blocks-first KV tensor as [num_blocks, page_size] (same storage)."""
+    n = kv.shape[0]
+    if kv[0].numel() != page_size or kv.stride(0) != page_size:
+        raise ValueError(f"KV cache {tuple(kv.shape)} (strides {kv.stride()}) is not "
+                         f"blocks-first with {page_size}-element pages; the pool cannot "
+                         "share it (use --loraserve-pool vllm)")
+    return torch.as_strided(kv, (n, page_size), (page_size, 1), kv.storage_offset())
+
+
+class DevicePool:
+    def __init__(self, layout: LayerLayout, num_layers: int, max_rank: int, max_tokens: int,
+                 max_slices: int, backend: str, device: torch.device) -> None:
+        self.layout, self.num_layers, self.max_rank = layout, num_layers, max_rank
+        self.device = device
+        self.backend = get_backend(backend)
+        self.h = torch.zeros(max_slices, max_tokens, max_rank, dtype=torch.float32,
+                             device=device)
+        self.pages: list[torch.Tensor] | None = None
+        self.slots: dict[int, tuple[int, AdapterPlacement, tuple[int, ...]]] = {}
+        self.slot_of: dict[int, int] = {}  # lora id -> slot
+        self.table: SlotTable | None = None
+        self.batch: TokenBatch | None = None
+
+    # -- residency (from PoolSteps) ---------------------------------------
+    def bind(self, kv_caches: list[torch.Tensor]) -> None:
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"{len(kv_caches)} KV cache tensors for {self.num_layers} layers")
+        self.pages = [page_view(kv, self.layout.page_size) for kv in kv_caches]
+
+    def evict(self, slot: int) -> None:
+        entry = self.slots.pop(slot, None)
+        if entry is not None and self.slot_of.get(entry[0]) == slot:
+            del self.slot_of[entry[0]]
+        self.table = None
+
+    def load(self, slot: int, lora_id: int, placement: AdapterPlacement,
+             page_ids: tuple[int, ...], streams: torch.Tensor) -> None:
+        """Write an adapter's per-layer streams ([layers, pages * page_size])
+        into its pages of every layer, and give it `slot`."""
+        assert self.pages is not None, "the pool is not bound to the KV cache yet"
+        if len(page_ids) != placement.num_pages:
+            raise ValueError(f"{len(page_ids)} pages for an adapter that needs "
+                             f"{placement.num_pages}")
+        ids = torch.as_tensor(page_ids, dtype=torch.long, device=self.device)
+        for layer, pages in enumerate(self.pages):
+            src = streams[layer].view(len(page_ids), self.layout.page_size)
+            pages.index_copy_(0, ids, src.to(self.device, pages.dtype, non_blocking=True))
+        self.evict(slot)
+        self.slots[slot] = (lora_id, placement, page_ids)
+        self.slot_of[lora_id] = slot
+
+    def pages_of(self, lora_id: int) -> int:
+        return len(self.slots[self.slot_of[lora_id]][2])
+
+    # -- per step -----------------------------------------------------------
+    def set_tokens(self, token_lora_ids: np.ndarray, ignored_ids: set[int]) -> None:
+        """The step's token -> adapter map (lora int ids, 0 = none). Ids in
+        `ignored_ids` (vLLM's warm-up dummies) count as no adapter."""
+        ids = np.asarray(token_lora_ids, dtype=np.int64)
+        used = set(np.unique(ids[ids > 0]).tolist()) - ignored_ids
+        if not used:
+            self.batch = None
+            return
+        missing = used - self.slot_of.keys()
+        if missing:
+            raise RuntimeError(f"adapters {sorted(missing)} are scheduled but not resident "
+                               "in the pool (scheduler and worker disagree)")
+        lut = np.full(int(ids.max()) + 1, -1, dtype=np.int64)
+        for lora_id in used:
+            lut[lora_id] = self.slot_of[lora_id]
+        token_slots = np.where(ids > 0, lut[np.maximum(ids, 0)], -1)
+        if self.table is None:
+            rows = [None] * (max(self.slots) + 1)
+            for slot, (_, placement, page_ids) in self.slots.items():
+                rows[slot] = (placement, page_ids)
+            self.table = SlotTable.build(self.layout, rows, self.max_rank, self.device)
+        self.batch = make_batch(token_slots, self.device)
+
+    def add_lora(self, layer: int, module: ModuleSlices, x: torch.Tensor,
+                 y: torch.Tensor) -> None:
+        """y += x @ A.T @ Bt for every token of the step with an adapter."""
+        if self.batch is None:
+            return
+        assert self.pages is not None and self.table is not None
+        h = self.h[:module.count, :x.shape[0]]
+        pool = self.pages[layer]
+        self.backend.shrink(x, pool, h, self.batch, self.table, module, self.layout)
+        self.backend.expand(h, pool, y, self.batch, self.table, module, self.layout)
+
+
+class PagedLinearLoRA:
+    """The punica-wrapper stand-in of one vLLM linear LoRA layer."""
+
+    def __init__(self, pool: DevicePool, layer: int, module: ModuleSlices) -> None:
+        self.pool, self.layer, self.module = pool, layer, module
+
+    def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, *_: object,
+                        **__: object) -> torch.Tensor:
+        self.pool.add_lora(self.layer, self.module, x, y)
+        return y
