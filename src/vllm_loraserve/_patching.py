@@ -8,6 +8,7 @@ to wrap a function twice.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,8 @@ _MARK = "__loraserve_original__"
 def wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> bool:
     """Replace `owner.name` by `make(original)` unless already replaced.
 
-    Static and class methods keep their descriptor kind. Returns True when the
+    Static and class methods keep their descriptor kind, and the replacement
+    carries the original's name and signature. Returns True when the
     patch was installed now, False when it was already in place.
     """
     raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
@@ -25,7 +27,9 @@ def wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> bool:
     func = raw.__func__ if kind else raw
     if getattr(func, _MARK, None) is not None:
         return False
-    replacement = make(func)
+    # The replacement looks like the original (name, signature, annotations):
+    # vLLM reads signatures, e.g. to decode utility-call arguments (EngineCore).
+    replacement = functools.update_wrapper(make(func), func)
     setattr(replacement, _MARK, func)
     setattr(owner, name, kind(replacement) if kind else replacement)
     return True

@@ -18,15 +18,18 @@ class Request:
     prompt_ids: list[int]
     lora_name: str | None = None
     lora_path: str | None = None
+    max_tokens: int | None = None  # None: the run's max_tokens
 
 
-def run_vllm(tmp_path, model: str, requests: list[Request], engine: dict, max_tokens: int):
+def run_vllm(tmp_path, model: str, requests: list[Request], engine: dict, max_tokens: int,
+             env: dict | None = None):
     """{"outputs": greedy tokens and logprobs per request, "lora_modules": the
-    workers' module table or None} from vLLM, in a fresh process."""
+    workers' module table or None, "residency": the workers' report or None}
+    from vLLM, in a fresh process."""
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
     json.dump({"model": model, "engine": engine, "max_tokens": max_tokens,
                "requests": [r.__dict__ for r in requests]}, open(spec_path, "w"))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_generate.py"),
                            str(spec_path), str(out_path)], env=env, capture_output=True,
                           text=True, timeout=600)
@@ -75,12 +78,16 @@ class _null:
         return False
 
 
-def mismatches(ref: HFReference, req: Request, out: dict, atol: float = 1e-4) -> list[str]:
+def mismatches(ref: HFReference, req: Request, out: dict, num_tokens: int,
+               atol: float = 1e-4) -> list[str]:
     """Where vLLM's greedy output disagrees with the reference.
 
-    A token must be the reference's argmax unless the two are within `atol`
+    The output must have `num_tokens` tokens (requests run with ignore_eos);
+    a token must be the reference's argmax unless the two are within `atol`
     (a near tie), and its logprob must match within `atol`.
     """
+    if len(out["token_ids"]) != num_tokens:
+        return [f"{len(out['token_ids'])} tokens, expected {num_tokens}"]
     lp = ref.logprobs(req, out["token_ids"])
     problems = []
     for i, (tok, vlp) in enumerate(zip(out["token_ids"], out["logprobs"], strict=True)):

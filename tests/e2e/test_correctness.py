@@ -63,14 +63,16 @@ def _check_all(ref, reqs, outs, only=lambda r: True):
     problems = []
     for req, out in zip(reqs, outs, strict=True):
         if only(req):
-            problems += [f"{req.lora_name or 'base'}: {p}" for p in mismatches(ref, req, out)]
+            problems += [f"{req.lora_name or 'base'}: {p}"
+                         for p in mismatches(ref, req, out, MAX_TOKENS)]
     return problems
 
 
-def test_plugin_matches_hf_peft_on_every_rank_with_base_requests(llama_case, tmp_path):
+def test_vllm_slots_match_hf_peft_on_every_rank_with_base_requests(llama_case, tmp_path):
+    """`--loraserve-pool vllm`: vLLM's own slots, with the plugin's CPU fix."""
     model, reqs, engine = llama_case
-    run = run_vllm(tmp_path, model, reqs, {**engine, "additional_config": {"loraserve": {}}},
-                   MAX_TOKENS)
+    run = run_vllm(tmp_path, model, reqs,
+                   {**engine, "additional_config": {"loraserve": {"pool": "vllm"}}}, MAX_TOKENS)
     problems = _check_all(HFReference(model), reqs, run["outputs"])
     assert not problems, "\n".join(problems)
     _check_module_table(model, run["lora_modules"], ALL_TARGETS + ("lm_head", "embed_tokens"))
@@ -117,6 +119,7 @@ def test_other_architecture_rslora_partial_targets(qwen_assets, tmp_path_factory
     run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS)
     problems = _check_all(HFReference(model), reqs, run["outputs"])
     assert not problems, "\n".join(problems)
+    assert run["residency"]["pool"]["peak_batch_adapters"] == 3  # the paged pool served them
     # vLLM's Qwen2 takes no LoRA on lm_head / embed_tokens: such adapters are refused.
     _check_module_table(model, run["lora_modules"], ALL_TARGETS)
     head = str(tmp_path_factory.mktemp("qwen-head") / "head")

@@ -4,9 +4,10 @@
 
 A separate process per engine: vLLM's plugin loading and our patches are
 process-global. spec: {"model", "engine": {LLM kwargs}, "max_tokens",
-"requests": [{"prompt_ids", "lora_name", "lora_path"}]}. Every request is
+"requests": [{"prompt_ids", "lora_name", "lora_path", "max_tokens"}]}. Every request is
 submitted in one `generate` call so they share batches. With the plugin on,
-the output also holds the workers' LoRA module table (loraserve_lora_modules).
+the output also holds the workers' LoRA module table (loraserve_lora_modules)
+and residency report (loraserve_residency).
 """
 
 import json
@@ -28,18 +29,20 @@ def main() -> None:
         else:
             lora_id = ids.setdefault(r["lora_name"], len(ids) + 1)
             loras.append(LoRARequest(r["lora_name"], lora_id, r["lora_path"]))
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=1,
-                            ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=r.get("max_tokens") or spec["max_tokens"],
+                             logprobs=1, ignore_eos=True) for r in spec["requests"]]
     outs = llm.generate([TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in spec["requests"]],
                         params, lora_request=loras, use_tqdm=False)
-    result = {"outputs": [], "lora_modules": None}
+    result = {"outputs": [], "lora_modules": None, "residency": None}
     for o in outs:
         c = o.outputs[0]
         result["outputs"].append({
-            "token_ids": list(c.token_ids),
-            "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]})
+            "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
+            "logprobs": [lp[t].logprob
+                         for lp, t in zip(c.logprobs or [], c.token_ids, strict=True)]})
     if "loraserve" in spec["engine"].get("additional_config", {}):
         result["lora_modules"] = llm.collective_rpc("loraserve_lora_modules")[0]
+        result["residency"] = llm.collective_rpc("loraserve_residency")[0]
     json.dump(result, open(sys.argv[2], "w"))
 
 

@@ -25,7 +25,7 @@ import logging
 import sys
 from typing import Any
 
-from vllm_loraserve.adapters.peft import inspect_adapter
+from vllm_loraserve.adapters.peft import AdapterError, inspect_adapter
 from vllm_loraserve.config import from_vllm_config
 from vllm_loraserve.paging.layout import LayerLayout
 from vllm_loraserve.paging.model import model_layout
@@ -82,14 +82,27 @@ class PoolSchedulerMixin:
 
         demands: dict[int, tuple[int, int]] = {}  # lora id -> (rank, pages)
 
+        slices = {s.name for s in layout.slices}
+
         def demand(lora_request: Any) -> tuple[int, int]:
             key = lora_request.lora_int_id
             if key not in demands:
                 spec = inspect_adapter(lora_request.lora_path)
+                odd = sorted(set(spec.target_modules) - slices)
+                if odd:
+                    raise AdapterError(f"the loraserve pool serves {sorted(slices)}; this "
+                                       f"adapter also targets {odd}")
+                if spec.rank > self.lora_config.max_lora_rank:
+                    raise AdapterError(f"rank {spec.rank} is above --max-lora-rank "
+                                       f"{self.lora_config.max_lora_rank}")
                 demands[key] = spec.rank, layout.place(spec.rank, spec.target_modules).num_pages
+                if demands[key][1] > self.kv_cache_manager.block_pool.num_gpu_blocks - 1:
+                    raise AdapterError(f"it needs {demands[key][1]} pages, more than the "
+                                       "whole KV cache holds")
             return demands[key]
 
         self._adapter_demands = demands
+        self._adapter_failures: dict[str, str] = {}  # request id -> why
         self.lora_config = _NoSlotCap(self.lora_config)
         self.adapter_pages = AdapterPages(self.kv_cache_manager.block_pool, demand,
                                           cfg.max_slots)
@@ -105,7 +118,16 @@ class PoolSchedulerMixin:
             lr = request.lora_request
             acquired = False
             if lr is not None and not pages.holds(request.request_id):
-                if not pages.acquire(request.request_id, lr):
+                if request.request_id in self._adapter_failures:
+                    return None
+                try:
+                    if not pages.acquire(request.request_id, lr):
+                        return None
+                except AdapterError as e:
+                    # Only this request fails (update_from_output), not the engine.
+                    reason = f"adapter {lr.lora_name} cannot be served: {e}"
+                    logger.error("vllm-loraserve: %s", reason)
+                    self._adapter_failures[request.request_id] = reason
                     return None
                 acquired = True
             blocks = allocate_slots(request, *args, **kwargs)
@@ -123,6 +145,23 @@ class PoolSchedulerMixin:
         out = super().schedule(*args, **kwargs)
         setattr(out, STEP_ATTR, self.adapter_pages.take_step())
         return out
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        outputs = super().update_from_output(*args, **kwargs)
+        if self._adapter_failures:
+            from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+            from vllm.v1.request import RequestStatus
+
+            failed = self.finish_requests(list(self._adapter_failures),
+                                          RequestStatus.FINISHED_ERROR)
+            self._adapter_failures.clear()
+            for request in failed:
+                eco = outputs.setdefault(request.client_index, EngineCoreOutputs())
+                eco.outputs.append(EngineCoreOutput(
+                    request_id=request.request_id, new_token_ids=[],
+                    finish_reason=request.get_finished_reason(), events=request.take_events(),
+                    trace_headers=request.trace_headers))
+        return outputs
 
     def _free_request_blocks(self, request: Any) -> None:
         super()._free_request_blocks(request)

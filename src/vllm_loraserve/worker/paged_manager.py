@@ -86,6 +86,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self.host = HostCache(cfg.host_cache_bytes)
         self.pool: DevicePool | None = None
         self._dummy_ids: set[int] = set()
+        self.page_loads = self.page_evictions = 0
         self._events: deque[tuple[int, str, float]] = deque(maxlen=MAX_BUFFERED_EVENTS)
         self.dropped_events = 0
 
@@ -158,6 +159,9 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             {} for _ in range(self.num_layers)]
         rank = lora.rank
         for name, w in lora.loras.items():
+            if name.rsplit(".", 1)[-1] not in {s.name for s in layout.slices}:
+                raise ValueError(f"adapter {lora_request.lora_name} targets {name}, which "
+                                 "the loraserve pool does not serve")
             # Scaling folded into B here; pack_layer then stores B transposed.
             per_layer[extract_layer_index(name)][name.rsplit(".", 1)[-1]] = (
                 w.lora_a, w.lora_b * w.scaling)
@@ -181,6 +185,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             raise RuntimeError("adapter pages scheduled before the pool was bound to the KV cache")
         for slot in step.evicted:
             self.pool.evict(slot)
+        self.page_evictions += len(step.evicted)
+        self.page_loads += len(step.loads)
         for load in step.loads:
             entry = self._host_adapter(load.lora_request)
             if entry.placement.rank != load.rank or entry.placement.num_pages != len(
@@ -244,4 +250,12 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             self._events.clear()
         return {"gpu": gpu, "host": sorted(set(self.host.ids()) - set(gpu)),
                 "pages": {i: self.pool.pages_of(i) for i in gpu},
-                "events": events, "dropped_events": self.dropped_events}
+                "events": events, "dropped_events": self.dropped_events,
+                "pool": {"page_loads": self.page_loads, "page_evictions": self.page_evictions,
+                         "adapter_pages": self.pool.pages_held if self.pool else 0,
+                         "total_pages": self.pool.pages[0].shape[0] if self.pool else 0,
+                         "page_size": self.pool.layout.page_size if self.pool else 0,
+                         "peak_batch_adapters": (self.pool.peak_batch_adapters
+                                                 if self.pool else 0),
+                         "host_bytes": self.host.bytes_used,
+                         "host_adapters": len(self.host.ids())}}

@@ -51,6 +51,7 @@ class DevicePool:
         self.slot_of: dict[int, int] = {}  # lora id -> slot
         self.table: SlotTable | None = None
         self.batch: TokenBatch | None = None
+        self.peak_batch_adapters = 0  # most distinct adapters in one step so far
 
     # -- residency (from PoolSteps) ---------------------------------------
     def bind(self, kv_caches: list[torch.Tensor]) -> None:
@@ -83,6 +84,10 @@ class DevicePool:
     def pages_of(self, lora_id: int) -> int:
         return len(self.slots[self.slot_of[lora_id]][2])
 
+    @property
+    def pages_held(self) -> int:
+        return sum(len(page_ids) for _, _, page_ids in self.slots.values())
+
     # -- per step -----------------------------------------------------------
     def set_tokens(self, token_lora_ids: np.ndarray, ignored_ids: set[int]) -> None:
         """The step's token -> adapter map (lora int ids, 0 = none). Ids in
@@ -92,6 +97,7 @@ class DevicePool:
         if not used:
             self.batch = None
             return
+        self.peak_batch_adapters = max(self.peak_batch_adapters, len(used))
         missing = used - self.slot_of.keys()
         if missing:
             raise RuntimeError(f"adapters {sorted(missing)} are scheduled but not resident "

@@ -1,0 +1,117 @@
+"""The paged pool inside vLLM (the default with --plugin loraserve) against
+HF transformers + PEFT (fp32): more distinct adapters per batch than vLLM's
+slots allow, and a page budget smaller than all the adapters together."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+
+import pytest
+from transformers import AutoConfig
+
+from vllm_loraserve.adapters.peft import inspect_adapter
+from vllm_loraserve.demo.assets import ALL_TARGETS, make_adapter, module_dims
+from vllm_loraserve.paging.model import model_layout
+
+from .reference import HFReference, Request, mismatches, run_vllm
+
+pytestmark = pytest.mark.e2e
+MAX_TOKENS = 6
+
+
+# Beside the demo's six (ranks 8..128, all targets): odd ranks, partial targets.
+EXTRA = {"odd-r24-qv": (24, ("q_proj", "v_proj")), "r48-all": (48, ALL_TARGETS),
+         "r8-o-down": (8, ("o_proj", "down_proj")), "r96-mlp": (96, ("gate_proj", "up_proj"))}
+
+
+@pytest.fixture(scope="module")
+def case(tiny_assets, tmp_path_factory):
+    model = os.path.join(tiny_assets, "model")
+    adapters = [(r["name"], os.path.join(tiny_assets, r["path"]))
+                for r in json.load(open(os.path.join(tiny_assets, "adapters.json")))]
+    root = tmp_path_factory.mktemp("extra")
+    for seed, (name, (rank, targets)) in enumerate(EXTRA.items()):
+        make_adapter(str(root / name), module_dims(model, targets), rank=rank, alpha=2 * rank,
+                     seed=100 + seed, base_model="tiny")
+        adapters.append((name, str(root / name)))
+    assert len(adapters) == 10
+    vocab = len(json.load(open(os.path.join(model, "tokenizer.json")))["model"]["vocab"])
+    rng = random.Random(3)
+    reqs = [Request([rng.randrange(8, vocab) for _ in range(rng.randint(4, 40))], name, path)
+            for name, path in adapters for _ in range(2)]
+    reqs += [Request([rng.randrange(8, vocab) for _ in range(9)]) for _ in range(3)]
+    rng.shuffle(reqs)
+    return model, reqs
+
+
+def expected_pages(model: str, page_size: int, path: str) -> int:
+    spec = inspect_adapter(path)
+    layout = model_layout(AutoConfig.from_pretrained(model), page_size)
+    return layout.place(spec.rank, spec.target_modules).num_pages
+
+
+def check(model, reqs, outs):
+    ref = HFReference(model)
+    problems = [f"{r.lora_name or 'base'}: {p}" for r, o in zip(reqs, outs, strict=True)
+                for p in mismatches(ref, r, o, r.max_tokens or MAX_TOKENS)]
+    assert not problems, "\n".join(problems)
+
+
+def test_ten_adapters_in_one_batch_with_one_vllm_slot(case, tmp_path):
+    model, reqs = case
+    engine = {"max_loras": 1, "max_lora_rank": 128, "max_cpu_loras": 1, "max_num_seqs": 32,
+              "max_num_batched_tokens": 2048, "additional_config": {"loraserve": {}}}
+    # Engine core in-process: every request is queued before the first step,
+    # so the first step holds all ten adapters.
+    run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS,
+                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    check(model, reqs, run["outputs"])
+    res = run["residency"]
+    pool = res["pool"]
+    assert pool["peak_batch_adapters"] == 10  # vLLM's slots would allow 1
+    assert pool["page_loads"] == 10 and pool["page_evictions"] == 0
+    paths = {r.lora_name: r.lora_path for r in reqs if r.lora_name}
+    assert len(res["gpu"]) == 10
+    # Each adapter holds the pages of its true rank; together, all adapter pages.
+    want = sorted(expected_pages(model, pool["page_size"], p) for p in paths.values())
+    got = sorted(res["pages"].values())
+    assert got == want and sum(got) == pool["adapter_pages"]
+    assert want[0] < want[-1]  # rank 8 holds fewer pages than rank 128
+
+
+def test_page_pressure_evicts_idle_adapters_and_outputs_stay_exact(case, tmp_path):
+    """A KV cache of 60 pages cannot hold the 10 adapters (~140 pages) at
+    once: idle adapters are evicted (LRU) and loaded again, no request is lost.
+    The first adapter's requests run long, so it is the oldest resident one
+    while others churn: an eviction that ignored use would take it."""
+    model, reqs = case
+    first = reqs[0].lora_name
+    reqs = [dataclasses.replace(r, max_tokens=40) if r.lora_name == first else r for r in reqs]
+    engine = {"max_loras": 1, "max_lora_rank": 128, "max_cpu_loras": 1, "max_num_seqs": 32,
+              "num_gpu_blocks_override": 60,
+              "additional_config": {"loraserve": {"host_cache_bytes": 4 << 20}}}
+    run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS)
+    check(model, reqs, run["outputs"])
+    pool = run["residency"]["pool"]
+    assert pool["total_pages"] == 60 and pool["adapter_pages"] <= 59
+    assert pool["page_evictions"] > 0 and pool["page_loads"] > 10
+    assert pool["host_bytes"] <= 4 << 20  # the host tier kept its budget
+
+
+def test_an_adapter_the_pool_cannot_serve_fails_alone(case, tiny_assets, tmp_path):
+    """Offline LLM has no API-server checks: an lm_head adapter reaches the
+    scheduler, which fails its requests and keeps serving the others."""
+    model, reqs = case
+    head = str(tmp_path / "head-r8")
+    make_adapter(head, module_dims(model, ("lm_head", "v_proj")), rank=8, alpha=8, seed=5,
+                 base_model="tiny")
+    bad = Request(reqs[0].prompt_ids, "head-r8", head)
+    mixed = [bad, *reqs[:6]]
+    engine = {"max_loras": 1, "max_lora_rank": 128, "max_num_seqs": 32,
+              "additional_config": {"loraserve": {}}}
+    run = run_vllm(tmp_path, model, mixed, engine, MAX_TOKENS)
+    assert run["outputs"][0]["token_ids"] == [] and run["outputs"][0]["finish_reason"] == "error"
+    check(model, mixed[1:], run["outputs"][1:])

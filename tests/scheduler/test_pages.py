@@ -1,0 +1,147 @@
+"""AdapterPages over vLLM's real BlockPool: page accounting, refs, LRU eviction."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from vllm.lora.request import LoRARequest
+from vllm.v1.core.block_pool import BlockPool
+
+from vllm_loraserve.scheduler.pages import AdapterPages
+
+PAGES = {1: 3, 2: 5, 3: 9, 4: 17, 5: 34}  # lora id -> pages needed
+
+
+def lr(i: int) -> LoRARequest:
+    return LoRARequest(f"a{i}", i, f"/adapters/a{i}")
+
+
+def make(num_blocks: int = 64, max_slots: int = 16) -> AdapterPages:
+    pool = BlockPool(num_blocks, enable_caching=True, hash_block_size=16)
+    return AdapterPages(pool, lambda r: (8, PAGES[r.lora_int_id]), max_slots)
+
+
+def check_invariants(ap: AdapterPages) -> None:
+    ids = [b.block_id for r in ap.resident.values() for b in r.blocks]
+    assert len(ids) == len(set(ids)) == ap.pages_held
+    assert all(ap.block_pool.blocks[i].ref_cnt == 1 for i in ids)
+    assert ap.block_pool.get_num_free_blocks() == ap.block_pool.num_gpu_blocks - 1 - len(ids)
+    slots = [r.slot for r in ap.resident.values()]
+    assert len(slots) == len(set(slots)) and all(0 <= s < ap.max_slots for s in slots)
+    holders: dict[int, int] = {}
+    for lora_id in ap._holders.values():
+        holders[lora_id] = holders.get(lora_id, 0) + 1
+    for lora_id, r in ap.resident.items():
+        assert r.refs == holders.get(lora_id, 0)
+        assert (lora_id in ap._idle) == (r.refs == 0)
+
+
+def test_acquire_loads_once_and_reports_one_page_load():
+    ap = make()
+    assert ap.acquire("r1", lr(2)) and ap.acquire("r2", lr(2))
+    step = ap.take_step()
+    assert [(ld.slot, ld.lora_request.lora_int_id, len(ld.page_ids)) for ld in step.loads] == [
+        (0, 2, 5)]
+    assert ap.resident[2].refs == 2 and ap.stats.misses == 1 and ap.stats.hits == 1
+    assert not ap.take_step()
+    check_invariants(ap)
+
+
+def test_adapters_in_use_are_never_evicted():
+    ap = make(num_blocks=1 + 34 + 5)
+    assert ap.acquire("r1", lr(5))  # 34 pages, in use
+    assert ap.acquire("r2", lr(2))  # the 5 pages left
+    assert not ap.acquire("r3", lr(1))  # nothing idle to evict
+    assert not ap.evict_lru() and set(ap.resident) == {5, 2}
+    check_invariants(ap)
+
+
+def test_failed_acquire_changes_nothing():
+    ap = make(num_blocks=40)
+    assert ap.acquire("r1", lr(5))  # 34 of 39 pages, in use
+    assert ap.acquire("r2", lr(1))
+    ap.release("r2")  # a1 idle (3 pages), 2 free
+    before = (set(ap.resident), ap.block_pool.get_num_free_blocks())
+    assert not ap.acquire("r3", lr(3))  # needs 9: 2 free + 3 evictable is not enough
+    assert (set(ap.resident), ap.block_pool.get_num_free_blocks()) == before
+    assert ap.stats.evictions == 0
+    check_invariants(ap)
+
+
+def test_idle_adapters_are_evicted_least_recently_used_first():
+    ap = make(num_blocks=1 + 3 + 5 + 9 + 4)
+    for i, req in ((1, "r1"), (2, "r2"), (3, "r3")):
+        assert ap.acquire(req, lr(i))
+    ap.release("r2")
+    ap.release("r1")
+    ap.release("r3")  # idle order, oldest first: a2, a1, a3
+    ap.take_step()
+    assert ap.acquire("r4", lr(4))  # 17 pages: 4 free, evicts a2 (5) then a1 (3) then a3 (9)
+    assert set(ap.resident) == {4}
+    step = ap.take_step()
+    assert step.evicted == [1, 0, 2]  # slots of a2, a1, a3 in LRU order
+    check_invariants(ap)
+
+
+def test_lru_keeps_the_recently_used_adapter():
+    ap = make(num_blocks=1 + 3 + 5 + 9)
+    for i, req in ((1, "r1"), (2, "r2"), (3, "r3")):
+        assert ap.acquire(req, lr(i))
+    for req in ("r1", "r2", "r3"):
+        ap.release(req)
+    assert ap.acquire("r1b", lr(1))  # a1 used again: now most recent
+    ap.release("r1b")
+    assert ap.acquire("r5", lr(2))  # resident already: a hit, nothing evicted
+    assert ap.stats.evictions == 0
+    ap.release("r5")
+    ap.forget(3)  # removed at runtime: goes at once (idle)
+    assert 3 not in ap.resident
+    check_invariants(ap)
+
+
+def test_forget_while_in_use_evicts_on_last_release():
+    ap = make()
+    assert ap.acquire("r1", lr(2))
+    ap.forget(2)
+    assert 2 in ap.resident  # still used
+    ap.release("r1")
+    assert 2 not in ap.resident and ap.take_step().evicted == [0]
+
+
+def test_a_load_evicted_in_the_same_step_never_reaches_the_workers():
+    ap = make(num_blocks=1 + 34)
+    assert ap.acquire("r1", lr(5))
+    ap.release("r1")
+    assert ap.acquire("r2", lr(4))  # evicts a5 before its load was sent
+    step = ap.take_step()
+    assert [ld.lora_request.lora_int_id for ld in step.loads] == [4]
+    assert step.evicted == [0] and step.loads[0].slot == 0
+
+
+def test_slots_are_bounded():
+    ap = make(max_slots=2)
+    assert ap.acquire("r1", lr(1)) and ap.acquire("r2", lr(2))
+    assert not ap.acquire("r3", lr(3))  # no idle adapter to give its slot
+    ap.release("r1")
+    assert ap.acquire("r3", lr(3)) and 1 not in ap.resident
+    check_invariants(ap)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_churn_keeps_every_invariant(seed):
+    rng = random.Random(seed)
+    ap = make(num_blocks=80, max_slots=4)
+    live: list[str] = []
+    for n in range(400):
+        if live and rng.random() < 0.45:
+            ap.release(live.pop(rng.randrange(len(live))))
+        elif rng.random() < 0.05:
+            ap.forget(rng.choice(list(PAGES)))
+        else:
+            req = f"r{n}"
+            if ap.acquire(req, lr(rng.choice(list(PAGES)))):
+                live.append(req)
+        if rng.random() < 0.3:
+            ap.take_step()
+        check_invariants(ap)

@@ -1,0 +1,111 @@
+"""DevicePool: adapters written into KV-shaped tensors, computed per layer,
+against dense math."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_loraserve.kernels.batch import ModuleSlices
+from vllm_loraserve.paging.layout import pack_layer
+from vllm_loraserve.paging.model import model_layout
+from vllm_loraserve.worker.pool import DevicePool, PagedLinearLoRA, page_view
+
+CFG = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, intermediate_size=96, num_hidden_layers=2)
+KV_SHAPE = (80, 2, 16, 32)  # blocks, kv heads, block size, 2 * head size: 1024-element pages
+LAYERS = 2
+
+
+def adapter(rank, targets, seed):
+    g = torch.Generator().manual_seed(seed)
+    layout = model_layout(CFG, 1024)
+    placement = layout.place(rank, targets)
+    weights = []  # per layer: name -> (A, B)
+    for _ in range(LAYERS):
+        w = {}
+        for t in targets:
+            s = layout.slices[layout.slice_index(t)]
+            w[t] = (torch.randn(rank, s.in_features, generator=g),
+                    torch.randn(s.out_features, rank, generator=g))
+        weights.append(w)
+    streams = torch.stack([pack_layer(layout, placement, w, 0.5, torch.float32)
+                           for w in weights])
+    return placement, streams, weights
+
+
+def make_pool():
+    layout = model_layout(CFG, 1024)
+    pool = DevicePool(layout, LAYERS, max_rank=32, max_tokens=64, max_slices=3,
+                      backend="torch", device=torch.device("cpu"))
+    kv = [torch.randn(KV_SHAPE) for _ in range(LAYERS)]  # pages start as garbage KV
+    pool.bind(kv)
+    return pool, kv
+
+
+def test_paged_layers_match_dense_math_and_skip_tokens_without_adapter():
+    pool, kv = make_pool()
+    a = adapter(8, ("q_proj", "k_proj", "v_proj", "down_proj"), 0)
+    b = adapter(32, ("q_proj", "v_proj", "o_proj"), 1)
+    pool.load(3, 11, a[0], tuple(range(5, 5 + a[0].num_pages)), a[1])
+    pool.load(0, 12, b[0], tuple(range(20, 20 + b[0].num_pages)), b[1])
+    tokens = np.array([11, 0, 12, 12, 7, 11, 0])  # 7: a warm-up dummy
+    pool.set_tokens(tokens, ignored_ids={7})
+    qkv = ModuleSlices.of(pool.layout, ("q_proj", "k_proj", "v_proj"))
+    x = torch.randn(len(tokens), 64)
+    for layer in range(LAYERS):
+        y0 = torch.randn(len(tokens), sum(qkv.out_features))
+        y = PagedLinearLoRA(pool, layer, qkv).add_lora_linear(y0.clone(), x, None, None, 1.0, ())
+        want = y0.clone()
+        for t, lid in enumerate(tokens):
+            w = {11: a[2], 12: b[2]}.get(int(lid))
+            if w is None:
+                continue
+            for name, col, n in zip(("q_proj", "k_proj", "v_proj"), qkv.out_offsets,
+                                    qkv.out_features, strict=True):
+                if name in w[layer]:
+                    A, B = w[layer][name]
+                    want[t, col:col + n] += 0.5 * (x[t] @ A.T @ B.T)
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
+        assert torch.equal(y[[1, 4, 6]], y0[[1, 4, 6]])  # no adapter: untouched
+
+
+def test_pages_of_other_blocks_keep_their_kv():
+    pool, kv = make_pool()
+    before = [t.clone() for t in kv]
+    a = adapter(16, ("o_proj",), 2)
+    pages = tuple(range(7, 7 + a[0].num_pages))
+    pool.load(1, 5, a[0], pages, a[1])
+    for layer in range(LAYERS):
+        others = [i for i in range(KV_SHAPE[0]) if i not in pages]
+        assert torch.equal(kv[layer][others], before[layer][others])
+        assert not torch.equal(kv[layer][list(pages)], before[layer][list(pages)])
+    assert pool.pages_of(5) == len(pages)
+
+
+def test_a_scheduled_adapter_without_pages_is_an_error_not_a_silent_base_run():
+    pool, _ = make_pool()
+    with pytest.raises(RuntimeError, match=r"adapters \[9\] are scheduled but not resident"):
+        pool.set_tokens(np.array([0, 9]), ignored_ids=set())
+    pool.set_tokens(np.array([0, 9]), ignored_ids={9})
+    assert pool.batch is None
+
+
+def test_evicted_slot_is_gone_and_reused():
+    pool, _ = make_pool()
+    a, b = adapter(8, ("q_proj",), 3), adapter(8, ("k_proj",), 4)
+    pool.load(0, 1, a[0], tuple(range(1, 1 + a[0].num_pages)), a[1])
+    pool.evict(0)
+    with pytest.raises(RuntimeError, match="not resident"):
+        pool.set_tokens(np.array([1]), set())
+    pool.load(0, 2, b[0], tuple(range(1, 1 + b[0].num_pages)), b[1])
+    assert pool.slot_of == {2: 0}
+
+
+def test_page_view_refuses_a_layout_that_is_not_blocks_first():
+    kv = torch.zeros(2, 40, 16, 16).transpose(0, 1)  # K/V-first storage
+    with pytest.raises(ValueError, match="not blocks-first"):
+        page_view(kv, 2 * 16 * 16)
