@@ -61,6 +61,30 @@ class SlotTable:
         as_t = functools.partial(torch.as_tensor, device=device)
         return cls(as_t(rank), as_t(segs), as_t(pages), max_rank)
 
+    @classmethod
+    def empty(cls, layout: LayerLayout, max_slots: int, max_pages: int, max_rank: int,
+              device: torch.device | str = "cpu") -> SlotTable:
+        """A persistent table of `max_slots` empty slots, filled in place by
+        `write` and `clear` (CUDA graphs keep its addresses)."""
+        return cls(torch.zeros(max_slots, dtype=torch.int32, device=device),
+                   torch.full((max_slots, layout.num_segments), -1, dtype=torch.int32,
+                              device=device),
+                   torch.zeros(max_slots, max_pages, dtype=torch.int32, device=device),
+                   max_rank)
+
+    def write(self, slot: int, placement: AdapterPlacement, page_ids: Sequence[int]) -> None:
+        if placement.rank > self.max_rank or len(page_ids) > self.pages.shape[1]:
+            raise ValueError(f"slot {slot}: rank {placement.rank} in {len(page_ids)} pages "
+                             f"exceeds the table (rank {self.max_rank}, "
+                             f"{self.pages.shape[1]} pages)")
+        self.rank[slot] = placement.rank
+        self.seg_offsets[slot] = torch.tensor(placement.seg_offsets, dtype=torch.int32)
+        self.pages[slot, :len(page_ids)] = torch.tensor(page_ids, dtype=torch.int32)
+
+    def clear(self, slot: int) -> None:
+        self.rank[slot] = 0
+        self.seg_offsets[slot] = -1
+
 
 def _group_tokens(token_slots, block_m: int) -> tuple[np.ndarray, np.ndarray]:
     """Token indices grouped by slot (stable) and (slot, start, length) blocks."""

@@ -36,7 +36,8 @@ from vllm_loraserve.paging.layout import pack_layer
 from vllm_loraserve.paging.model import model_layout, module_slice_names
 from vllm_loraserve.paging.step import PoolStep
 from vllm_loraserve.worker.host_cache import HostAdapter, HostCache
-from vllm_loraserve.worker.pool import DevicePool, PagedLinearLoRA
+from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
+from vllm_loraserve.worker.pool import DevicePool
 from vllm_loraserve.worker.residency import MAX_BUFFERED_EVENTS
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -123,8 +124,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         layout = model_layout(self.vllm_config.model_config.hf_text_config, page_size)
         max_slices = max(len(s) for _, _, s in self._layers)
         self.pool = DevicePool(layout, self.num_layers, self.lora_config.max_lora_rank,
-                               self.max_num_batched_tokens, max_slices, self._backend,
-                               torch.device(self.device))
+                               self.max_num_batched_tokens, self.cfg.max_slots, max_slices,
+                               self._backend, torch.device(self.device))
         self.pool.bind(kv_caches)
         for module, layer, names in self._layers:
             ms = ModuleSlices.of(layout, names)

@@ -5,13 +5,16 @@
   elements (block id b = page b; paging/layout.py);
 - the slot table (rank, segment offsets, page ids of each resident adapter),
   changed only by `PoolStep`s from the scheduler (paging/step.py);
-- the step's `TokenBatch` (tokens grouped by slot), set before the forward;
-- `h`, the shrink output buffer, allocated once at its largest size.
+- the step's token batches (tokens grouped by slot), set before the forward;
+- `h`, the shrink output buffer.
 
-`PagedLinearLoRA` stands in for the punica wrapper of one vLLM LoRA layer:
-vLLM's layer calls `add_lora_linear(y, x, ...)` after its base GEMM, and the
-stand-in adds that layer's delta through the kernel backend, reading pages of
-its own layer. Tokens without an adapter are never touched.
+Every tensor the kernels read is allocated once and changed in place, so a
+CUDA graph captured with any batch replays correctly with a later one: the
+kernels' grids depend only on the number of tokens, and programs past the
+step's real work blocks (read on the device) return at once. Two token
+batchings are kept, 16 tokens per work block for small batches (decode:
+MBGMV) and 64 for large ones (prefill: MBGMM); the choice depends on the
+token count only, so it is the same at capture and at replay.
 
 Invariant: a token's adapter id maps to a slot only if that adapter's pages
 were written in this or an earlier step; a real adapter id without a slot is
@@ -20,12 +23,16 @@ an error, never silently served without its adapter.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
-from vllm_loraserve.kernels import SlotTable, get_backend, make_batch
-from vllm_loraserve.kernels.batch import ModuleSlices, TokenBatch
+from vllm_loraserve.kernels import SlotTable, get_backend
+from vllm_loraserve.kernels.batch import ModuleSlices, TokenBatch, TokenBatchBuffers
 from vllm_loraserve.paging.layout import AdapterPlacement, LayerLayout
+
+SMALL_BATCH = 512  # tokens; at most this many use 16-token work blocks
 
 
 def page_view(kv: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -40,17 +47,22 @@ def page_view(kv: torch.Tensor, page_size: int) -> torch.Tensor:
 
 class DevicePool:
     def __init__(self, layout: LayerLayout, num_layers: int, max_rank: int, max_tokens: int,
-                 max_slices: int, backend: str, device: torch.device) -> None:
+                 max_slots: int, max_slices: int, backend: str, device: torch.device) -> None:
         self.layout, self.num_layers, self.max_rank = layout, num_layers, max_rank
-        self.device = device
+        self.device, self.max_slots = device, max_slots
         self.backend = get_backend(backend)
+        all_slices = [s.name for s in layout.slices]
+        max_pages = layout.place(max_rank, all_slices).num_pages
+        self.table = SlotTable.empty(layout, max_slots, max_pages, max_rank, device)
         self.h = torch.zeros(max_slices, max_tokens, max_rank, dtype=torch.float32,
                              device=device)
+        self._buffers = {bm: TokenBatchBuffers(max_tokens, max_slots, bm, device)
+                         for bm in (16, 64)}
+        self._batches: dict[int, TokenBatch] = {}
+        self.active = False  # the step has LoRA requests (warm-up dummies count)
         self.pages: list[torch.Tensor] | None = None
         self.slots: dict[int, tuple[int, AdapterPlacement, tuple[int, ...]]] = {}
         self.slot_of: dict[int, int] = {}  # lora id -> slot
-        self.table: SlotTable | None = None
-        self.batch: TokenBatch | None = None
         self.peak_batch_adapters = 0  # most distinct adapters in one step so far
 
     # -- residency (from PoolSteps) ---------------------------------------
@@ -63,7 +75,7 @@ class DevicePool:
         entry = self.slots.pop(slot, None)
         if entry is not None and self.slot_of.get(entry[0]) == slot:
             del self.slot_of[entry[0]]
-        self.table = None
+        self.table.clear(slot)
 
     def load(self, slot: int, lora_id: int, placement: AdapterPlacement,
              page_ids: tuple[int, ...], streams: torch.Tensor) -> None:
@@ -73,11 +85,16 @@ class DevicePool:
         if len(page_ids) != placement.num_pages:
             raise ValueError(f"{len(page_ids)} pages for an adapter that needs "
                              f"{placement.num_pages}")
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} outside the table's {self.max_slots} slots")
         ids = torch.as_tensor(page_ids, dtype=torch.long, device=self.device)
+        # On the compute stream: ordered after every kernel that read these
+        # pages before (as KV or as another adapter) and before this step's.
         for layer, pages in enumerate(self.pages):
             src = streams[layer].view(len(page_ids), self.layout.page_size)
             pages.index_copy_(0, ids, src.to(self.device, pages.dtype, non_blocking=True))
         self.evict(slot)
+        self.table.write(slot, placement, page_ids)
         self.slots[slot] = (lora_id, placement, page_ids)
         self.slot_of[lora_id] = slot
 
@@ -93,45 +110,36 @@ class DevicePool:
         """The step's token -> adapter map (lora int ids, 0 = none). Ids in
         `ignored_ids` (vLLM's warm-up dummies) count as no adapter."""
         ids = np.asarray(token_lora_ids, dtype=np.int64)
+        self.active = bool((ids > 0).any())
         used = set(np.unique(ids[ids > 0]).tolist()) - ignored_ids
-        if not used:
-            self.batch = None
-            return
         self.peak_batch_adapters = max(self.peak_batch_adapters, len(used))
         missing = used - self.slot_of.keys()
         if missing:
             raise RuntimeError(f"adapters {sorted(missing)} are scheduled but not resident "
                                "in the pool (scheduler and worker disagree)")
-        lut = np.full(int(ids.max()) + 1, -1, dtype=np.int64)
+        lut = np.full(int(ids.max(initial=0)) + 1, -1, dtype=np.int64)
         for lora_id in used:
             lut[lora_id] = self.slot_of[lora_id]
         token_slots = np.where(ids > 0, lut[np.maximum(ids, 0)], -1)
-        if self.table is None:
-            rows = [None] * (max(self.slots) + 1)
-            for slot, (_, placement, page_ids) in self.slots.items():
-                rows[slot] = (placement, page_ids)
-            self.table = SlotTable.build(self.layout, rows, self.max_rank, self.device)
-        self.batch = make_batch(token_slots, self.device)
+        self._batches = {bm: buf.fill(token_slots) for bm, buf in self._buffers.items()}
+
+    def _batch(self, num_tokens: int) -> TokenBatch:
+        """The step's batch for a layer input of `num_tokens` rows (padded
+        for a CUDA graph, possibly): grid bounded by that count alone."""
+        bm = 16 if num_tokens <= SMALL_BATCH else 64
+        batch = self._batches[bm]
+        bound = -(-num_tokens // bm) + min(num_tokens, self.max_slots)
+        return dataclasses.replace(batch, blocks=batch.blocks[:bound])
 
     def add_lora(self, layer: int, module: ModuleSlices, x: torch.Tensor,
                  y: torch.Tensor) -> None:
-        """y += x @ A.T @ Bt for every token of the step with an adapter."""
-        if self.batch is None:
+        """y += x @ A.T @ Bt for every token of the step with an adapter.
+        Launches the kernels whenever the step has LoRA requests, whatever
+        its contents, so a graph captured with warm-up adapters replays them."""
+        if not self.active or self.pages is None:
             return
-        assert self.pages is not None and self.table is not None
+        batch = self._batch(x.shape[0])
         h = self.h[:module.count, :x.shape[0]]
         pool = self.pages[layer]
-        self.backend.shrink(x, pool, h, self.batch, self.table, module, self.layout)
-        self.backend.expand(h, pool, y, self.batch, self.table, module, self.layout)
-
-
-class PagedLinearLoRA:
-    """The punica-wrapper stand-in of one vLLM linear LoRA layer."""
-
-    def __init__(self, pool: DevicePool, layer: int, module: ModuleSlices) -> None:
-        self.pool, self.layer, self.module = pool, layer, module
-
-    def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, *_: object,
-                        **__: object) -> torch.Tensor:
-        self.pool.add_lora(self.layer, self.module, x, y)
-        return y
+        self.backend.shrink(x, pool, h, batch, self.table, module, self.layout)
+        self.backend.expand(h, pool, y, batch, self.table, module, self.layout)

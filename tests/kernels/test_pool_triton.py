@@ -1,0 +1,53 @@
+"""The device pool on the Triton kernels (interpreted on CPU): persistent
+buffers, grids bounded by the layer's token count, both work-block heights,
+against the torch backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.worker.test_pool import CFG, KV_SHAPE, LAYERS, adapter
+from vllm_loraserve.kernels.batch import ModuleSlices
+from vllm_loraserve.paging.model import model_layout
+from vllm_loraserve.worker import pool as pool_mod
+from vllm_loraserve.worker.pool import DevicePool
+
+
+def build(backend, kv):
+    layout = model_layout(CFG, 1024)
+    p = DevicePool(layout, LAYERS, max_rank=32, max_tokens=64, max_slots=8, max_slices=3,
+                   backend=backend, device=torch.device("cpu"))
+    p.bind(kv)
+    return p
+
+
+@pytest.mark.parametrize("small_batch", [64, 4])  # 16- and 64-token work blocks
+def test_triton_pool_matches_torch_pool(monkeypatch, small_batch):
+    monkeypatch.setattr(pool_mod, "SMALL_BATCH", small_batch)
+    a = adapter(8, ("q_proj", "k_proj", "v_proj", "down_proj"), 0)
+    b = adapter(32, ("q_proj", "v_proj", "o_proj"), 1)
+    pools = []
+    for backend in ("torch", "triton"):
+        kv = [torch.randn(KV_SHAPE, generator=torch.Generator().manual_seed(9))
+              for _ in range(LAYERS)]
+        p = build(backend, kv)
+        p.load(3, 11, a[0], tuple(range(5, 5 + a[0].num_pages)), a[1])
+        p.load(0, 12, b[0], tuple(range(20, 20 + b[0].num_pages)), b[1])
+        pools.append(p)
+    rng = np.random.default_rng(0)
+    for step in range(2):  # a second, smaller batch refills the same buffers
+        tokens = rng.choice([0, 11, 12], size=20 if step == 0 else 7)
+        x = torch.randn(len(tokens) + 3, 64)  # 3 rows of graph padding: no adapter
+        y0 = torch.randn(len(tokens) + 3, 64 + 2 * 32)
+        outs = []
+        for p in pools:
+            p.set_tokens(tokens, ignored_ids=set())
+            qkv = ModuleSlices.of(p.layout, ("q_proj", "k_proj", "v_proj"))
+            y = y0.clone()
+            p.add_lora(1, qkv, x, y)
+            outs.append(y)
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+        assert torch.equal(outs[1][len(tokens):], y0[len(tokens):])
+        assert not torch.equal(outs[1], y0)
