@@ -22,12 +22,12 @@ class Request:
 
 
 def run_vllm(tmp_path, model: str, requests: list[Request], engine: dict, max_tokens: int,
-             env: dict | None = None):
+             env: dict | None = None, dtype: str = "float32"):
     """{"outputs": greedy tokens and logprobs per request, "lora_modules": the
     workers' module table or None, "residency": the workers' report or None}
     from vLLM, in a fresh process."""
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
-    json.dump({"model": model, "engine": engine, "max_tokens": max_tokens,
+    json.dump({"model": model, "dtype": dtype, "engine": engine, "max_tokens": max_tokens,
                "requests": [r.__dict__ for r in requests]}, open(spec_path, "w"))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_generate.py"),
@@ -41,10 +41,12 @@ def run_vllm(tmp_path, model: str, requests: list[Request], engine: dict, max_to
 class HFReference:
     """Teacher-forced log-probabilities of a token sequence under base or adapter."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32).to(device).eval()
         self.peft = None
 
     def _model_for(self, req: Request):
@@ -64,10 +66,10 @@ class HFReference:
     def logprobs(self, req: Request, output_ids: list[int]) -> torch.Tensor:
         """[len(output_ids), vocab] log-probs at each generated position."""
         ctx, model = self._model_for(req)
-        ids = torch.tensor([req.prompt_ids + output_ids[:-1]])
+        ids = torch.tensor([req.prompt_ids + output_ids[:-1]], device=self.device)
         with ctx:
             logits = model(ids).logits[0, len(req.prompt_ids) - 1:]
-        return torch.log_softmax(logits.float(), dim=-1)
+        return torch.log_softmax(logits.float(), dim=-1).cpu()
 
 
 class _null:

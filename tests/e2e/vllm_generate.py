@@ -3,7 +3,8 @@
     python vllm_generate.py spec.json out.json
 
 A separate process per engine: vLLM's plugin loading and our patches are
-process-global. spec: {"model", "engine": {LLM kwargs}, "max_tokens",
+process-global. spec: {"model", "dtype" (default float32), "engine": {LLM kwargs},
+"max_tokens",
 "requests": [{"prompt_ids", "lora_name", "lora_path", "max_tokens"}]}. Every request is
 submitted in one `generate` call so they share batches. With the plugin on,
 the output also holds the workers' LoRA module table (loraserve_lora_modules)
@@ -19,7 +20,7 @@ def main() -> None:
     from vllm.lora.request import LoRARequest
 
     spec = json.load(open(sys.argv[1]))
-    llm = LLM(model=spec["model"], dtype="float32", enable_lora=True, seed=0,
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enable_lora=True, seed=0,
               max_model_len=256, **spec["engine"])
     ids: dict[str, int] = {}
     loras = []
@@ -40,7 +41,7 @@ def main() -> None:
             "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
             "logprobs": [lp[t].logprob
                          for lp, t in zip(c.logprobs or [], c.token_ids, strict=True)]})
-    if "loraserve" in spec["engine"].get("additional_config", {}):
+    if "loraserve" in (spec["engine"].get("additional_config") or {}):
         result["lora_modules"] = llm.collective_rpc("loraserve_lora_modules")[0]
         result["residency"] = llm.collective_rpc("loraserve_residency")[0]
     json.dump(result, open(sys.argv[2], "w"))

@@ -17,8 +17,8 @@ from vllm_loraserve.worker.pool import DevicePool
 
 def build(backend, kv):
     layout = model_layout(CFG, 1024)
-    p = DevicePool(layout, LAYERS, max_rank=32, max_tokens=64, max_slots=8, max_slices=3,
-                   backend=backend, device=torch.device("cpu"))
+    p = DevicePool(layout.slices, LAYERS, max_rank=32, max_tokens=64, max_slots=8,
+                   max_slices=3, backend=backend, device=torch.device("cpu"))
     p.bind(kv)
     return p
 

@@ -40,8 +40,8 @@ def adapter(rank, targets, seed):
 
 def make_pool():
     layout = model_layout(CFG, 1024)
-    pool = DevicePool(layout, LAYERS, max_rank=32, max_tokens=64, max_slots=8, max_slices=3,
-                      backend="torch", device=torch.device("cpu"))
+    pool = DevicePool(layout.slices, LAYERS, max_rank=32, max_tokens=64, max_slots=8,
+                      max_slices=3, backend="torch", device=torch.device("cpu"))
     kv = [torch.randn(KV_SHAPE) for _ in range(LAYERS)]  # pages start as garbage KV
     pool.bind(kv)
     return pool, kv

@@ -68,6 +68,8 @@ class ModelPreset:
 PRESETS = {
     "tiny": ModelPreset("llama", 128, 384, 4, 4, 2, None, True),
     "tiny-qwen2": ModelPreset("qwen2", 128, 384, 2, 4, 2, None, True),
+    # Small enough for an fp32 HF reference, large enough for real GPU tiles.
+    "small": ModelPreset("llama", 512, 1536, 4, 8, 4, None, True),
     # Llama at ~1.1B for the GPU smoke test (../shared/device recipe's shape).
     "llama-1b": ModelPreset("llama", 2048, 5632, 16, 32, 8, 32000, False),
 }

@@ -115,6 +115,9 @@ def activate(engine_args: Any) -> None:
             raise ValueError(f"the loraserve pool needs --scheduler-cls {POOL_SCHEDULER}; it "
                              f"cannot be combined with {sched} (or use --loraserve-pool vllm)")
         engine_args.scheduler_cls = POOL_SCHEDULER
+        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").lower() in ("1", "true"):
+            raise ValueError("the loraserve pool runs on vLLM's V1 model runner: unset "
+                             "VLLM_USE_V2_MODEL_RUNNER (or use --loraserve-pool vllm)")
     engine_args.additional_config[ADDITIONAL_CONFIG_KEY] = cfg.to_dict()
     _active = cfg
     logger.info("vllm-loraserve active: %s", cfg)

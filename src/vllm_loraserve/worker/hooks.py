@@ -9,7 +9,9 @@ identical in 0.26 and 0.27). Only when the plugin is active for this engine:
 - with `--loraserve-pool vllm`, vLLM's manager stays, the residency tracker
   watches it and, on the CPU platform, the no-adapter fix for the CPU LoRA
   ops is installed.
-The V1 runner classes are patched (the CPU runner subclasses GPU V1).
+The V1 runner classes are patched (the CPU runner subclasses GPU V1). With
+the pool, vLLM is kept on its V1 runner: `VllmConfig` lists the pool among
+the features its V2 runner lacks, so vLLM logs that and picks V1.
 """
 
 from __future__ import annotations
@@ -90,10 +92,23 @@ def _make_execute_model(execute_model):
     return patched
 
 
+def _make_v2_unsupported(unsupported_features):
+    def patched(self):
+        out = unsupported_features(self)
+        cfg = from_vllm_config(self)
+        if cfg is not None and cfg.pool == "paged":
+            out = [*out, "the loraserve paged pool"]
+        return out
+
+    return patched
+
+
 def install() -> None:
+    from vllm.config import VllmConfig
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
 
+    wrap(VllmConfig, "_get_v2_model_runner_unsupported_features", _make_v2_unsupported)
     wrap(LoRAModelRunnerMixin, "load_lora_model", _make_load_lora_model)
     wrap(GPUModelRunner, "initialize_kv_cache", _make_initialize_kv_cache)
     wrap(GPUModelRunner, "execute_model", _make_execute_model)

@@ -85,7 +85,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         super().__init__(vllm_config, device, embedding_modules)
         self.vllm_config, self.cfg = vllm_config, cfg
         self.host = HostCache(cfg.host_cache_bytes)
-        self.pool: DevicePool | None = None
+        self.pool: DevicePool  # made by create_lora_manager
         self._dummy_ids: set[int] = set()
         self.page_loads = self.page_evictions = 0
         self._events: deque[tuple[int, str, float]] = deque(maxlen=MAX_BUFFERED_EVENTS)
@@ -101,43 +101,41 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self._adapter_manager = manager
         text_config = vllm_config.model_config.hf_text_config
         self.num_layers = text_config.num_hidden_layers
-        # The page size is only known once the KV cache exists; the layout's
-        # slices are not, and are checked against the wrapped layers now.
-        self._slices = model_layout(text_config, 256).slices
+        # The page size is only known once the KV cache exists; the slices are
+        # not, and the wrapped layers must match them (checked here).
+        layout = model_layout(text_config, 256)
         backend = self.cfg.kernel
         if backend == "auto":
             backend = "triton" if torch.device(self.device).type == "cuda" else "torch"
-        self._backend = backend
-        self._layers: list[tuple[BaseLinearLayerWithLoRA, int, tuple[str, ...]]] = []
+        layers = []
         for name, module in manager.modules.items():
             if not isinstance(module, BaseLinearLayerWithLoRA):
                 raise ValueError(f"the loraserve pool computes linear LoRA layers only; "
                                  f"{name} is a {type(module).__name__} "
                                  "(use --loraserve-pool vllm)")
-            self._layers.append((module, extract_layer_index(name),
-                                 module_slice_names(name.rsplit(".", 1)[-1])))
-        return manager.model
-
-    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
-        """Build the device pool over the KV cache (once, after vLLM made it)."""
-        page_size = kv_caches[0][0].numel()
-        layout = model_layout(self.vllm_config.model_config.hf_text_config, page_size)
-        max_slices = max(len(s) for _, _, s in self._layers)
-        self.pool = DevicePool(layout, self.num_layers, self.lora_config.max_lora_rank,
-                               self.max_num_batched_tokens, self.cfg.max_slots, max_slices,
-                               self._backend, torch.device(self.device))
-        self.pool.bind(kv_caches)
-        for module, layer, names in self._layers:
-            ms = ModuleSlices.of(layout, names)
+            ms = ModuleSlices.of(layout, module_slice_names(name.rsplit(".", 1)[-1]))
             if (ms.in_features, ms.out_features) != (module.input_size,
                                                      tuple(module.output_slices)):
                 raise ValueError(
-                    f"layer {layer} {names}: the model's LoRA layer is "
-                    f"{module.input_size} -> {tuple(module.output_slices)}, the pool's layout "
-                    f"says {ms.in_features} -> {ms.out_features} (use --loraserve-pool vllm)")
+                    f"{name}: the model's LoRA layer is {module.input_size} -> "
+                    f"{tuple(module.output_slices)}, the pool's layout says {ms.in_features} "
+                    f"-> {ms.out_features} (use --loraserve-pool vllm)")
+            layers.append((module, extract_layer_index(name), ms))
+        self.pool = DevicePool(layout.slices, self.num_layers, self.lora_config.max_lora_rank,
+                               self.max_num_batched_tokens, self.cfg.max_slots,
+                               max(ms.count for _, _, ms in layers), backend,
+                               torch.device(self.device))
+        # Before vLLM compiles the model: its trace must see these wrappers.
+        for module, layer, ms in layers:
             module.set_mapping(PagedLinearLoRA(self.pool, layer, ms))
+        return manager.model
+
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+        """Attach the pool to the KV cache (once, after vLLM made it)."""
+        self.pool.bind(kv_caches)
         logger.info("vllm-loraserve pool bound: %d layers, %d pages of %d elements, %s kernels",
-                    self.num_layers, kv_caches[0].shape[0], page_size, self._backend)
+                    self.num_layers, kv_caches[0].shape[0], self.pool.layout.page_size,
+                    type(self.pool.backend).__name__)
 
     # -- host tier ------------------------------------------------------------
     def _record(self, lora_id: int, tier: str, seconds: float) -> None:
@@ -152,7 +150,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         if entry is not None and not lora_request.load_inplace:
             return entry
         t0 = time.perf_counter()
-        if self.pool is None:
+        if self.pool.layout is None:
             raise RuntimeError("adapter loaded before the pool was bound to the KV cache")
         lora = self._load_adapter(lora_request)
         layout = self.pool.layout
@@ -182,7 +180,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
     def apply_step(self, step: PoolStep | None) -> None:
         if not step:
             return
-        if self.pool is None:
+        if self.pool.layout is None:
             raise RuntimeError("adapter pages scheduled before the pool was bound to the KV cache")
         for slot in step.evicted:
             self.pool.evict(slot)
@@ -204,11 +202,6 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
     # -- the model runner's interface -------------------------------------------
     def set_active_adapters(self, requests: set[Any], mapping: Any | None) -> None:
         if mapping is None:
-            return
-        if self.pool is None:  # profiling and warm-up run before the KV cache exists
-            used = {i for i in mapping.index_mapping if i > 0} - self._dummy_ids
-            if used:
-                raise RuntimeError(f"adapters {sorted(used)} scheduled before the pool exists")
             return
         self.pool.set_tokens(np.asarray(mapping.index_mapping), self._dummy_ids)
 
@@ -237,15 +230,14 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                          "(use --loraserve-pool vllm)")
 
     def list_adapters(self) -> set[int]:
-        resident = set(self.pool.slot_of) if self.pool else set()
-        return resident | set(self.host.ids())
+        return set(self.pool.slot_of) | set(self.host.ids())
 
     def supports_tower_connector_lora(self) -> bool:
         return False
 
     # -- residency report (worker/extension.py) -----------------------------------
     def snapshot(self, drain_events: bool = True) -> dict[str, Any]:
-        gpu = sorted(self.pool.slot_of) if self.pool else []
+        gpu = sorted(self.pool.slot_of)
         events = list(self._events)
         if drain_events:
             self._events.clear()
@@ -253,10 +245,9 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                 "pages": {i: self.pool.pages_of(i) for i in gpu},
                 "events": events, "dropped_events": self.dropped_events,
                 "pool": {"page_loads": self.page_loads, "page_evictions": self.page_evictions,
-                         "adapter_pages": self.pool.pages_held if self.pool else 0,
-                         "total_pages": self.pool.pages[0].shape[0] if self.pool else 0,
-                         "page_size": self.pool.layout.page_size if self.pool else 0,
-                         "peak_batch_adapters": (self.pool.peak_batch_adapters
-                                                 if self.pool else 0),
+                         "adapter_pages": self.pool.pages_held,
+                         "total_pages": self.pool.pages[0].shape[0] if self.pool.pages else 0,
+                         "page_size": self.pool.layout.page_size if self.pool.layout else 0,
+                         "peak_batch_adapters": self.pool.peak_batch_adapters,
                          "host_bytes": self.host.bytes_used,
                          "host_adapters": len(self.host.ids())}}

@@ -30,7 +30,7 @@ import torch
 
 from vllm_loraserve.kernels import SlotTable, get_backend
 from vllm_loraserve.kernels.batch import ModuleSlices, TokenBatch, TokenBatchBuffers
-from vllm_loraserve.paging.layout import AdapterPlacement, LayerLayout
+from vllm_loraserve.paging.layout import AdapterPlacement, LayerLayout, SliceSpec
 
 SMALL_BATCH = 512  # tokens; at most this many use 16-token work blocks
 
@@ -46,14 +46,18 @@ def page_view(kv: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 class DevicePool:
-    def __init__(self, layout: LayerLayout, num_layers: int, max_rank: int, max_tokens: int,
-                 max_slots: int, max_slices: int, backend: str, device: torch.device) -> None:
-        self.layout, self.num_layers, self.max_rank = layout, num_layers, max_rank
+    """Built with the model, before vLLM profiles and compiles it (the layers
+    must call the pool from their first trace, and the buffers count as model
+    memory); `bind` attaches it to the KV cache once vLLM has made it."""
+
+    def __init__(self, slices: tuple[SliceSpec, ...], num_layers: int, max_rank: int,
+                 max_tokens: int, max_slots: int, max_slices: int, backend: str,
+                 device: torch.device) -> None:
+        self.slices, self.num_layers, self.max_rank = slices, num_layers, max_rank
         self.device, self.max_slots = device, max_slots
         self.backend = get_backend(backend)
-        all_slices = [s.name for s in layout.slices]
-        max_pages = layout.place(max_rank, all_slices).num_pages
-        self.table = SlotTable.empty(layout, max_slots, max_pages, max_rank, device)
+        self.layout: LayerLayout | None = None
+        self.table: SlotTable | None = None
         self.h = torch.zeros(max_slices, max_tokens, max_rank, dtype=torch.float32,
                              device=device)
         self._buffers = {bm: TokenBatchBuffers(max_tokens, max_slots, bm, device)
@@ -67,8 +71,13 @@ class DevicePool:
 
     # -- residency (from PoolSteps) ---------------------------------------
     def bind(self, kv_caches: list[torch.Tensor]) -> None:
+        """Use the KV cache tensors (one per layer, blocks-first) as pages."""
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"{len(kv_caches)} KV cache tensors for {self.num_layers} layers")
+        self.layout = LayerLayout(self.slices, kv_caches[0][0].numel())
+        max_pages = self.layout.place(self.max_rank, [s.name for s in self.slices]).num_pages
+        self.table = SlotTable.empty(self.layout, self.max_slots, max_pages, self.max_rank,
+                                     self.device)
         self.pages = [page_view(kv, self.layout.page_size) for kv in kv_caches]
 
     def evict(self, slot: int) -> None:

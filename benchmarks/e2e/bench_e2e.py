@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""End-to-end offline throughput: the paged pool vs stock vLLM multi-LoRA.
+
+The workload and method follow ../shared/design/baseline-stock-vllm-h200.md,
+so its numbers can be compared (and its stock configs are rerun here, in the
+same device session):
+- Llama-2-7B shape (hidden 4096, 32 layers, 32/32 heads, intermediate 11008,
+  vocab 32000), dummy weights, bf16, gpu_memory_utilization 0.9,
+  max_model_len 2048, vLLM's defaults otherwise (torch.compile, CUDA graphs);
+- 1000 requests, prompt and output lengths U[8,512] (random token ids,
+  ignore_eos, temperature 1.0), all passed to one `generate`;
+- adapter of a request ~ power law P(i) ~ (i+1)^-1 over the config's adapters;
+- PEFT adapters on q,k,v,o, rank (8,16,32,64,128)[i % 5], lora_alpha 2r.
+  100 distinct weight sets are written once (to /dev/shm); adapter i is the
+  directory names/a{i:04d}, whose files are hard links to weight set i % 100,
+  so 1000 or 2000 adapters fit the machine. Each name is a separate adapter to
+  the server (its own id, pages and host-tier entry); the pool never shares
+  weights by content.
+- an untimed warm-up touches the first min(n, 100) adapters once (4 output
+  tokens each); the timed run then includes every other adapter's first load
+  from disk, and any reload after an eviction.
+
+Each config runs in its own child process (one engine). Results: one JSON per
+config under --out, and results.json with them all.
+
+    python3 benchmarks/e2e/bench_e2e.py --configs none,stock-100,pool-100 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+RANKS = (8, 16, 32, 64, 128)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+SHAPE = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+             num_key_value_heads=32, intermediate_size=11008, vocab_size=32000)
+DISTINCT = 100
+LORA_TARGETS = ["qkv_proj", "o_proj"]  # vLLM wraps only what the adapters target
+
+# name -> (number of adapters, plugin on, engine kwargs); 0 adapters: base requests only
+CONFIGS: dict[str, tuple[int, bool, dict]] = {
+    "none": (0, False, {}),
+    "stock-100": (100, False, dict(enable_lora=True, max_lora_rank=128, max_loras=32,
+                                   max_cpu_loras=100, lora_target_modules=LORA_TARGETS)),
+    "pool-100": (100, True, {}),
+    "pool-1000": (1000, True, {}),
+    "pool-2000": (2000, True, {}),
+    "pool-r8-single": (1, True, {}),
+    "pool-base-only": (0, True, {}),
+}
+POOL_KW = dict(enable_lora=True, max_lora_rank=128, max_loras=1,
+               lora_target_modules=LORA_TARGETS, additional_config={"loraserve": {}})
+
+
+def log(*a: object) -> None:
+    print("[e2e]", *a, flush=True)
+
+
+# -- assets ------------------------------------------------------------------------
+def write_model(d: str) -> None:
+    os.makedirs(d, exist_ok=True)
+    json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+               "hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+               "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+               "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "head_dim": 128,
+               **SHAPE}, open(os.path.join(d, "config.json"), "w"))
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": i for i in range(4, SHAPE["vocab_size"])})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
+    tok.save(os.path.join(d, "tokenizer.json"))
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+               "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+               "model_max_length": 4096}, open(os.path.join(d, "tokenizer_config.json"), "w"))
+
+
+def write_adapters(root: str, n_names: int) -> None:
+    """DISTINCT weight sets (generated on the GPU), hard-linked under n_names names."""
+    import torch
+
+    from vllm_loraserve.adapters.peft import write_adapter
+
+    h, layers = SHAPE["hidden_size"], SHAPE["num_hidden_layers"]
+    for i in range(DISTINCT):
+        d = os.path.join(root, "w", f"w{i:03d}")
+        if os.path.exists(os.path.join(d, "adapter_config.json")):
+            continue
+        r = RANKS[i % len(RANKS)]
+        g = torch.Generator(device="cuda").manual_seed(i + 1)
+        weights = {}
+        for layer in range(layers):
+            for m in TARGETS:
+                a = torch.randn(r, h, device="cuda", generator=g) / h ** 0.5
+                b = torch.randn(h, r, device="cuda", generator=g) * 0.05
+                weights[f"model.layers.{layer}.self_attn.{m}"] = (
+                    a.to(torch.bfloat16).cpu(), b.to(torch.bfloat16).cpu())
+        write_adapter(d, weights, rank=r, alpha=2 * r, base_model="llama2-7b-shape")
+    for i in range(n_names):
+        d = os.path.join(root, "names", f"a{i:04d}")
+        if os.path.isdir(d):
+            continue
+        os.makedirs(d)
+        src = os.path.join(root, "w", f"w{i % DISTINCT:03d}")
+        for f in os.listdir(src):
+            os.link(os.path.join(src, f), os.path.join(d, f))
+
+
+# -- workload ----------------------------------------------------------------------
+def workload(n_adapters: int, seed: int = 0, num: int = 1000, lo: int = 8, hi: int = 512):
+    """The baseline's workload: identical prompts and lengths for every config."""
+    rng = random.Random(seed)
+    in_lens = [rng.randint(lo, hi) for _ in range(num)]
+    out_lens = [rng.randint(lo, hi) for _ in range(num)]
+    prompts = [[rng.randrange(4, SHAPE["vocab_size"]) for _ in range(k)] for k in in_lens]
+    adapters = None
+    if n_adapters:
+        w = [(i + 1) ** -1.0 for i in range(n_adapters)]
+        adapters = random.Random(seed + 1).choices(range(n_adapters), weights=w, k=num)
+    return prompts, out_lens, adapters
+
+
+# -- one config (child) -------------------------------------------------------------
+def run_config(name: str, root: str, out: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    n, plugin, extra = CONFIGS[name]
+    kw = dict(model=os.path.join(root, "model"), load_format="dummy", dtype="bfloat16",
+              max_model_len=2048, gpu_memory_utilization=0.9, seed=0, disable_log_stats=False)
+    kw.update(POOL_KW if plugin else {}, **extra)
+    prompts, out_lens, adapters = workload(n if name != "pool-base-only" else 0)
+    if name == "pool-r8-single":
+        adapters = [0] * len(prompts)
+    res: dict = {"config": name, "adapters": n, "plugin": plugin,
+                 "engine_kwargs": {k: v for k, v in kw.items() if k != "model"}}
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    res["engine_start_s"] = round(time.perf_counter() - t0, 1)
+    vc = llm.llm_engine.vllm_config
+    res["num_gpu_blocks"] = vc.cache_config.num_gpu_blocks
+    lreqs = [LoRARequest(f"a{i:04d}", i + 1, os.path.join(root, "names", f"a{i:04d}"))
+             for i in range(n)] if kw.get("enable_lora") and n else []
+    if adapters is not None:
+        res["distinct_adapters_used"] = len(set(adapters))
+    wrng = random.Random(7)
+    nw = max(32, min(n, DISTINCT))
+    warm = [TokensPrompt(prompt_token_ids=[wrng.randrange(4, 32000)
+                                           for _ in range(wrng.randint(8, 512))])
+            for _ in range(nw)]
+    t = time.perf_counter()
+    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True),
+                 lora_request=[lreqs[i % min(n, DISTINCT)] for i in range(nw)]
+                 if lreqs and adapters is not None else None, use_tqdm=False)
+    res["warmup_s"] = round(time.perf_counter() - t, 2)
+
+    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=o, ignore_eos=True)
+              for o in out_lens]
+    lora = [lreqs[i] for i in adapters] if adapters is not None and lreqs else None
+    m0 = _metrics(llm)
+    t = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                        lora_request=lora, use_tqdm=False)
+    dt = time.perf_counter() - t
+    m1 = _metrics(llm)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    res.update(gen_s=round(dt, 2), in_tok=n_in, out_tok=n_out, out_tok_expected=sum(out_lens),
+               out_tok_s=round(n_out / dt, 1), total_tok_s=round((n_in + n_out) / dt, 1),
+               engine_steps=m1.get("vllm:iteration_tokens_total:count", 0)
+               - m0.get("vllm:iteration_tokens_total:count", 0),
+               preemptions=m1.get("vllm:num_preemptions", 0) - m0.get("vllm:num_preemptions", 0))
+    if plugin:
+        res["pool"] = llm.collective_rpc("loraserve_residency")[0]["pool"]
+        res["pool"]["kv_pages_free_at_end"] = (res["pool"]["total_pages"]
+                                               - res["pool"]["adapter_pages"])
+    log(f"{name}: {n_out} out tok in {dt:.2f} s -> {n_out / dt:.1f} out tok/s")
+    json.dump(res, open(os.path.join(out, f"{name}.json"), "w"), indent=1)
+
+
+def _metrics(llm) -> dict:
+    out: dict = {}
+    for m in llm.get_metrics():
+        if hasattr(m, "count"):
+            out[m.name + ":count"] = out.get(m.name + ":count", 0) + m.count
+        elif isinstance(getattr(m, "value", None), int | float):
+            out[m.name] = out.get(m.name, 0) + m.value
+    return out
+
+
+# -- parent ---------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="none,stock-100,pool-100")
+    ap.add_argument("--root", default="/dev/shm/loraserve-e2e")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/e2e-out"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--timeout-s", type=float, default=280, help="per config")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    if a.child:
+        return run_config(a.child, a.root, a.out)
+    configs = a.configs.split(",")
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        sys.exit(f"unknown configs {unknown}; choose from {sorted(CONFIGS)}")
+    t = time.time()
+    write_model(os.path.join(a.root, "model"))
+    write_adapters(a.root, max(CONFIGS[c][0] for c in configs))
+    log(f"assets in {time.time() - t:.1f} s")
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                          "--format=csv,noheader"], capture_output=True, text=True).stdout
+    summary = {"gpu": gpu.strip(), "configs": {}}
+    for c in configs:
+        t = time.time()
+        with open(os.path.join(a.out, f"{c}.log"), "w") as lf:
+            try:
+                rc = subprocess.run([sys.executable, __file__, "--child", c, "--root", a.root,
+                                     "--out", a.out], stdout=lf, stderr=subprocess.STDOUT,
+                                    timeout=a.timeout_s).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        path = os.path.join(a.out, f"{c}.json")
+        r = json.load(open(path)) if os.path.exists(path) else {}
+        r.update(status="ok" if rc == 0 else f"failed ({rc})", wall_s=round(time.time() - t, 1))
+        summary["configs"][c] = r
+        log(f"{c}: {r['status']} start {r.get('engine_start_s')} s, gen {r.get('gen_s')} s, "
+            f"{r.get('out_tok_s')} out tok/s, steps {r.get('engine_steps')}, "
+            f"preempt {r.get('preemptions')}, pool {r.get('pool')}")
+        if rc != 0:
+            log(open(os.path.join(a.out, f"{c}.log"), errors="replace").read()[-2500:])
+        json.dump(summary, open(os.path.join(a.out, "results.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
