@@ -166,6 +166,8 @@ def run_config(name: str, root: str, out: str) -> None:
               for o in out_lens]
     lora = [lreqs[i] for i in adapters] if adapters is not None and lreqs else None
     m0 = _metrics(llm)
+    if plugin:  # drain the warm-up's load events
+        llm.collective_rpc("loraserve_residency")
     t = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                         lora_request=lora, use_tqdm=False)
@@ -179,7 +181,14 @@ def run_config(name: str, root: str, out: str) -> None:
                - m0.get("vllm:iteration_tokens_total:count", 0),
                preemptions=m1.get("vllm:num_preemptions", 0) - m0.get("vllm:num_preemptions", 0))
     if plugin:
-        res["pool"] = llm.collective_rpc("loraserve_residency")[0]["pool"]
+        snap = llm.collective_rpc("loraserve_residency")[0]
+        res["pool"] = snap["pool"]
+        # Where load time went in the timed run: disk -> host tier (read and
+        # pack), host -> pages (copy); both run inside the engine step today.
+        for tier in ("host", "gpu"):
+            secs = [s for _, t_, s in snap["events"] if t_ == tier]
+            res["pool"][f"{tier}_loads_timed"] = len(secs)
+            res["pool"][f"{tier}_load_s_timed"] = round(sum(secs), 2)
         res["pool"]["kv_pages_free_at_end"] = (res["pool"]["total_pages"]
                                                - res["pool"]["adapter_pages"])
     log(f"{name}: {n_out} out tok in {dt:.2f} s -> {n_out / dt:.1f} out tok/s")

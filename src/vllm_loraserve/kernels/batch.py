@@ -134,6 +134,11 @@ class TokenBatchBuffers:
     A graph captured with a batch from `fill` replays correctly for any later
     `fill` of the same buffers with at most `max_tokens` tokens: the grid
     (`max_blocks`) and every tensor address stay fixed; only contents change.
+
+    The three tensors are views of one device buffer, written each step by a
+    single asynchronous copy from pinned host memory (two staging buffers in
+    turn, each reused only once its previous copy is done), so a step never
+    waits for the GPU to finish the one before it.
     """
 
     def __init__(self, max_tokens: int, max_slots: int, block_m: int,
@@ -141,17 +146,33 @@ class TokenBatchBuffers:
         self.max_tokens, self.block_m = max_tokens, block_m
         # Each slot adds at most one partial block.
         max_blocks = -(-max_tokens // block_m) + min(max_tokens, max_slots)
-        self.sorted_tokens = torch.zeros(max_tokens, dtype=torch.int32, device=device)
-        self.blocks = torch.zeros(max_blocks, 3, dtype=torch.int32, device=device)
-        self.num_blocks = torch.zeros(1, dtype=torch.int32, device=device)
+        size = max_tokens + 3 * max_blocks + 1
+        self._device_buf = torch.zeros(size, dtype=torch.int32, device=device)
+        self.sorted_tokens = self._device_buf[:max_tokens]
+        self.blocks = self._device_buf[max_tokens:size - 1].view(max_blocks, 3)
+        self.num_blocks = self._device_buf[size - 1:]
+        cuda = torch.device(device).type == "cuda"
+        self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda)
+                         for _ in range(2 if cuda else 1)]
+        self._copied = [torch.cuda.Event() if cuda else None for _ in self._staging]
+        self._turn = 0
 
     def fill(self, token_slots: Sequence[int] | np.ndarray | torch.Tensor) -> TokenBatch:
         if len(token_slots) > self.max_tokens:
             raise ValueError(f"{len(token_slots)} tokens > buffer capacity {self.max_tokens}")
         order, blocks = _group_tokens(token_slots, self.block_m)
-        self.sorted_tokens[:len(order)].copy_(torch.from_numpy(order))
-        self.blocks[:len(blocks)].copy_(torch.from_numpy(blocks))
-        self.num_blocks.fill_(len(blocks))
+        self._turn = (self._turn + 1) % len(self._staging)
+        host, done = self._staging[self._turn], self._copied[self._turn]
+        if done is not None:
+            done.synchronize()
+        host_np = host.numpy()
+        host_np[:len(order)] = order
+        start = self.max_tokens
+        host_np[start:start + blocks.size] = blocks.reshape(-1)
+        host_np[-1] = len(blocks)
+        self._device_buf.copy_(host, non_blocking=True)
+        if done is not None:
+            done.record()
         return TokenBatch(len(token_slots), self.sorted_tokens, self.blocks, self.num_blocks,
                           len(blocks), self.block_m)
 

@@ -138,7 +138,10 @@ class DevicePool:
         bm = 16 if num_tokens <= SMALL_BATCH else 64
         batch = self._batches[bm]
         bound = -(-num_tokens // bm) + min(num_tokens, self.max_slots)
-        return dataclasses.replace(batch, blocks=batch.blocks[:bound])
+        if batch.blocks.shape[0] != bound:
+            batch = self._batches[bm] = dataclasses.replace(
+                batch, blocks=self._buffers[bm].blocks[:bound])
+        return batch
 
     def add_lora(self, layer: int, module: ModuleSlices, x: torch.Tensor,
                  y: torch.Tensor) -> None:
