@@ -128,7 +128,7 @@ def workload(n_adapters: int, seed: int = 0, num: int = 1000, lo: int = 8, hi: i
 
 
 # -- one config (child) -------------------------------------------------------------
-def run_config(name: str, root: str, out: str) -> None:
+def run_config(name: str, root: str, out: str, profile: int = 0) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
@@ -165,6 +165,9 @@ def run_config(name: str, root: str, out: str) -> None:
     params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=o, ignore_eos=True)
               for o in out_lens]
     lora = [lreqs[i] for i in adapters] if adapters is not None and lreqs else None
+    if profile:
+        return _profile(llm, name, prompts[:profile], params[:profile],
+                        lora[:profile] if lora else None, out)
     m0 = _metrics(llm)
     if plugin:  # drain the warm-up's load events
         llm.collective_rpc("loraserve_residency")
@@ -195,6 +198,24 @@ def run_config(name: str, root: str, out: str) -> None:
     json.dump(res, open(os.path.join(out, f"{name}.json"), "w"), indent=1)
 
 
+def _profile(llm, name, prompts, params, lora, out) -> None:
+    """torch.profiler over a short run (engine core in this process: see main)."""
+    from torch.profiler import ProfilerActivity, profile
+    from vllm.inputs import TokensPrompt
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                     lora_request=lora, use_tqdm=False)
+        dt = time.perf_counter() - t
+    table = prof.key_averages()
+    with open(os.path.join(out, f"profile-{name}.txt"), "w") as f:
+        f.write(f"{name}: {len(prompts)} requests in {dt:.2f} s (profiled)\n\n")
+        f.write(table.table(sort_by="self_cuda_time_total", row_limit=25) + "\n")
+        f.write(table.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
+    log(f"{name}: profile written")
+
+
 def _metrics(llm) -> dict:
     out: dict = {}
     for m in llm.get_metrics():
@@ -213,10 +234,13 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/e2e-out"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--timeout-s", type=float, default=280, help="per config")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="instead of the timed run, profile the first N requests "
+                         "(torch.profiler, engine core in-process) into profile-CONFIG.txt")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     if a.child:
-        return run_config(a.child, a.root, a.out)
+        return run_config(a.child, a.root, a.out, a.profile)
     configs = a.configs.split(",")
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
@@ -232,8 +256,11 @@ def main() -> None:
         t = time.time()
         with open(os.path.join(a.out, f"{c}.log"), "w") as lf:
             try:
+                env = {**os.environ, **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+                                        if a.profile else {})}
                 rc = subprocess.run([sys.executable, __file__, "--child", c, "--root", a.root,
-                                     "--out", a.out], stdout=lf, stderr=subprocess.STDOUT,
+                                     "--out", a.out, "--profile", str(a.profile)], env=env,
+                                    stdout=lf, stderr=subprocess.STDOUT,
                                     timeout=a.timeout_s).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
