@@ -3,20 +3,26 @@ residency, bad input, runtime loading, per-adapter metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import random
 
 import httpx
 import openai
 import pytest
+from transformers import AutoConfig
 
 from vllm_loraserve.adapters.peft import inspect_adapter
+from vllm_loraserve.paging.model import model_layout
 
 from .bad_adapters import EXPECTED_REASONS, build_bad_adapters
+from .reference import HFReference, Request, mismatches
 from .server import metric_samples, vllm_server
 
 pytestmark = pytest.mark.e2e
 BASE = "tiny"
+HOST_BYTES = 16 << 20
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +30,11 @@ def server(tiny_assets, tmp_path_factory):
     bad = tmp_path_factory.mktemp("bad")
     build_bad_adapters(tiny_assets, str(bad))
     adapters = os.path.join(tiny_assets, "adapters")
+    # One vLLM slot; 48 KV pages (47 usable) and a 16 MiB host tier hold a few
+    # of the adapters at a time, so residency moves with use.
     args = ["--plugin", "loraserve", "--served-model-name", BASE,
-            "--max-lora-rank", "128", "--max-loras", "2", "--max-cpu-loras", "3",
+            "--max-lora-rank", "128", "--max-loras", "1", "--num-gpu-blocks-override", "48",
+            "--loraserve-host-cache-bytes", str(HOST_BYTES),
             "--loraserve-adapter-dir", adapters, "--loraserve-adapter-dir", str(bad),
             "--lora-modules", f"static-ok={adapters}/adapter-001-r16",
             f"static-bad={bad}/rank-256"]
@@ -71,20 +80,64 @@ def test_adapter_listing_fields(server, tiny_assets):
     assert httpx.get(f"{server}/loraserve/v1/adapters/nope").status_code == 404
 
 
-def test_residency_follows_use(server):
-    """2 device slots, 3 host slots: the LRU moves an adapter gpu -> host -> disk."""
-    x = "adapter-005-r8"
-    assert _complete(server, x).status_code == 200
-    assert _adapters(server)[x]["residency"] == "gpu"
-    for other in ("adapter-002-r32", "adapter-003-r64"):
-        assert _complete(server, other).status_code == 200
-    assert _adapters(server)[x]["residency"] == "host"
-    for other in ("adapter-004-r128", "adapter-000-r8"):
+def _pages(tiny_assets, name):
+    """Pages an adapter holds: its true rank, in the CPU engine's KV pages
+    (block size 128 x 2 KV heads x 2 x head size 32 fp32 elements)."""
+    spec = inspect_adapter(os.path.join(tiny_assets, "adapters", name))
+    layout = model_layout(AutoConfig.from_pretrained(os.path.join(tiny_assets, "model")),
+                          2 * 128 * 2 * 32)
+    return layout.place(spec.rank, spec.target_modules).num_pages
+
+
+def test_residency_follows_use(server, tiny_assets):
+    """47 usable pages: r8 (3) and r64 (17) fit together; r128 (34) evicts
+    both, least recently used first; more adapters push r8 out of the host tier."""
+    x, r64, r128 = "adapter-005-r8", "adapter-003-r64", "adapter-004-r128"
+    for name in (x, r64):
+        assert _complete(server, name).status_code == 200
+    listed = _adapters(server)
+    assert (listed[x]["residency"], listed[x]["pages"]) == ("gpu", _pages(tiny_assets, x)) == (
+        "gpu", 3)
+    assert listed[r64]["pages"] == _pages(tiny_assets, r64) == 17
+    assert _complete(server, r128).status_code == 200
+    listed = _adapters(server)
+    assert listed[r128]["pages"] == 34 and listed[x]["residency"] == "host"
+    assert "pages" not in listed[x] and listed[r64]["residency"] == "host"
+    for other in ("adapter-002-r32", "adapter-001-r16", "adapter-000-r8", r128):
         assert _complete(server, other).status_code == 200
     listed = _adapters(server)
     assert listed[x]["residency"] == "disk"
-    tiers = [a["residency"] for a in listed.values() if a["status"] == "ready"]
-    assert tiers.count("gpu") <= 2 and tiers.count("gpu") + tiers.count("host") <= 3
+    gpu_pages = sum(a.get("pages", 0) for a in listed.values())
+    assert gpu_pages <= 47
+
+
+def test_concurrent_adapters_with_one_vllm_slot_match_hf_peft(server, tiny_assets):
+    """`--max-loras 1`, four adapters and the base model at once over HTTP:
+    greedy tokens and logprobs equal HF transformers + PEFT (fp32)."""
+    names = ["adapter-000-r8", "adapter-001-r16", "adapter-002-r32", "adapter-003-r64", None]
+    rng = random.Random(5)
+    reqs = [Request([rng.randrange(8, 250) for _ in range(rng.randint(4, 30))], n,
+                    os.path.join(tiny_assets, "adapters", n) if n else None)
+            for n in names for _ in range(2)]
+
+    async def one(client, req):
+        r = await client.post(f"{server}/v1/completions", json={
+            "model": req.lora_name or BASE, "prompt": req.prompt_ids, "max_tokens": 6,
+            "temperature": 0, "logprobs": 0, "return_token_ids": True, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return {"token_ids": choice["token_ids"],
+                "logprobs": choice["logprobs"]["token_logprobs"]}
+
+    async def all_at_once():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, q) for q in reqs))
+
+    outs = asyncio.run(all_at_once())
+    ref = HFReference(os.path.join(tiny_assets, "model"))
+    problems = [f"{q.lora_name or 'base'}: {p}" for q, o in zip(reqs, outs, strict=True)
+                for p in mismatches(ref, q, o, 6)]
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("name", [*EXPECTED_REASONS, "static-bad"])
@@ -161,3 +214,7 @@ def test_per_adapter_metrics(server):
              if name == "loraserve_adapter_loads_total"}
     assert {a, b} <= loads
     assert after[("loraserve_adapter_load_seconds_count", (("tier", "host"),))] >= 2
+    pages = {k: after[("loraserve_pool_pages", (("kind", k),))] for k in ("adapter", "total")}
+    assert pages["total"] == 48 and 0 < pages["adapter"] <= 47
+    assert after[("loraserve_pool_page_events", (("event", "eviction"),))] > 0
+    assert 0 < after[("loraserve_pool_host_bytes", ())] <= HOST_BYTES

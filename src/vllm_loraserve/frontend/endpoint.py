@@ -42,6 +42,8 @@ async def _refresh(state: Any) -> None:
     m = metrics()
     m.record_loads(events, snapshot["dropped_events"])
     m.set_states(catalog.counts())
+    if "pool" in snapshot:
+        m.set_pool(snapshot["pool"])
 
 
 def _engine_unavailable(e: Exception) -> JSONResponse:

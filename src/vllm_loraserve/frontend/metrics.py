@@ -50,7 +50,7 @@ class Metrics:
         self.loads = Counter(
             "loraserve_adapter_loads",
             "Adapter loads per adapter and tier (host: disk to host memory; "
-            "gpu: host memory to device slots).", ["adapter", "tier"])
+            "gpu: host memory to device slots or pool pages).", ["adapter", "tier"])
         self.load_seconds = Histogram(
             "loraserve_adapter_load_seconds", "Adapter load latency.", ["tier"],
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
@@ -61,6 +61,24 @@ class Metrics:
             "loraserve_adapter_load_events_dropped",
             "Load events a worker dropped because /metrics was not scraped in time "
             "(the load counters undercount by this much).")
+        # The paged pool, as the worker last reported it (gauges: the worker
+        # owns the counts, a scrape only copies them).
+        self.pool_pages = Gauge(
+            "loraserve_pool_pages",
+            "KV cache pages of the paged pool: held by adapters, and in total (the rest "
+            "hold KV or are free).", ["kind"])
+        self.pool_events = Gauge(
+            "loraserve_pool_page_events",
+            "Adapter page loads (host tier to KV pages) and evictions since start.", ["event"])
+        self.pool_host_bytes = Gauge(
+            "loraserve_pool_host_bytes", "Bytes of adapters held in the pool's host tier.")
+
+    def set_pool(self, pool: dict[str, int]) -> None:
+        self.pool_pages.labels("adapter").set(pool["adapter_pages"])
+        self.pool_pages.labels("total").set(pool["total_pages"])
+        self.pool_events.labels("load").set(pool["page_loads"])
+        self.pool_events.labels("eviction").set(pool["page_evictions"])
+        self.pool_host_bytes.set(pool["host_bytes"])
 
     def record_loads(self, events: list[tuple[str, str, float]], dropped: int) -> None:
         for adapter, tier, seconds in events:
