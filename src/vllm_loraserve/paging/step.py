@@ -4,7 +4,8 @@ The scheduler owns every page decision (it owns vLLM's only BlockPool); the
 workers copy weights into the pages and compute with them. `PoolStep` rides
 on vLLM's `SchedulerOutput` as the attribute `loraserve` (a plain dataclass,
 so it survives the pickled multiprocess path), and workers apply it before
-the step's forward pass: first `evicted`, then `loads`.
+the step's forward pass: first `evicted`, then `loads`; `prefetch` only
+starts background reads.
 
 Invariant: after applying every `PoolStep` in order, a worker's slot table
 equals the scheduler's resident set, and every adapter a scheduled request
@@ -33,6 +34,9 @@ class PageLoad:
 class PoolStep:
     evicted: list[int] = field(default_factory=list)  # slots freed this step
     loads: list[PageLoad] = field(default_factory=list)
+    # Adapters of waiting requests that are not resident (S-LoRA's prefetch):
+    # workers start reading them into their host tier in the background.
+    prefetch: list[Any] = field(default_factory=list)  # LoRARequest
 
     def __bool__(self) -> bool:
-        return bool(self.evicted or self.loads)
+        return bool(self.evicted or self.loads or self.prefetch)

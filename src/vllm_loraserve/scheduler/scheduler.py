@@ -33,6 +33,10 @@ from vllm_loraserve.paging.step import STEP_ATTR
 from vllm_loraserve.scheduler.pages import AdapterPages
 
 logger = logging.getLogger(f"vllm.{__name__}")
+# Distinct adapters ahead in the waiting queue whose host copies are prepared:
+# enough to hide disk reads behind the steps, few enough not to churn a host
+# tier that holds only tens of large adapters.
+PREFETCH_AHEAD = 16
 
 
 class _NoSlotCap:
@@ -102,6 +106,7 @@ class PoolSchedulerMixin:
             return demands[key]
 
         self._adapter_demands = demands
+        self._hinted: set[int] = set()
         self._adapter_failures: dict[str, str] = {}  # request id -> why
         self.lora_config = _NoSlotCap(self.lora_config)
         self.adapter_pages = AdapterPages(self.kv_cache_manager.block_pool, demand,
@@ -143,8 +148,28 @@ class PoolSchedulerMixin:
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = super().schedule(*args, **kwargs)
-        setattr(out, STEP_ATTR, self.adapter_pages.take_step())
+        step = self.adapter_pages.take_step()
+        step.prefetch = self._prefetch_hints()
+        setattr(out, STEP_ATTR, step)
         return out
+
+    def _prefetch_hints(self) -> list[Any]:
+        """The next PREFETCH_AHEAD distinct cold adapters in the waiting queue,
+        each hinted once until it becomes resident (S-LoRA §5.2)."""
+        hints, seen = [], set()
+        for request in self.waiting:
+            lr = request.lora_request
+            if lr is None or lr.lora_int_id in seen:
+                continue
+            seen.add(lr.lora_int_id)
+            if len(seen) > PREFETCH_AHEAD:
+                break
+            if lr.lora_int_id not in self.adapter_pages.resident and \
+                    lr.lora_int_id not in self._hinted:
+                self._hinted.add(lr.lora_int_id)
+                hints.append(lr)
+        self._hinted &= seen  # hint again once it left the window and came back
+        return hints
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
         outputs = super().update_from_output(*args, **kwargs)

@@ -19,8 +19,10 @@ warm-up calls). Differences from vLLM:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -85,6 +87,11 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         super().__init__(vllm_config, device, embedding_modules)
         self.vllm_config, self.cfg = vllm_config, cfg
         self.host = HostCache(cfg.host_cache_bytes)
+        # Disk reads for prefetch run here, off the engine step; the host tier
+        # and the table of reads under way are shared with it under _lock.
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraserve-read")
+        self._reading: dict[int, Future] = {}
+        self._lock = threading.Lock()
         self.pool: DevicePool  # made by create_lora_manager
         self._dummy_ids: set[int] = set()
         self.page_loads = self.page_evictions = 0
@@ -139,19 +146,45 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
 
     # -- host tier ------------------------------------------------------------
     def _record(self, lora_id: int, tier: str, seconds: float) -> None:
-        if len(self._events) == self._events.maxlen:
-            self.dropped_events += 1
-        self._events.append((lora_id, tier, seconds))
+        with self._lock:
+            if len(self._events) == self._events.maxlen:
+                self.dropped_events += 1
+            self._events.append((lora_id, tier, seconds))
 
     def _host_adapter(self, lora_request: Any) -> HostAdapter:
-        """The adapter in page layout, from the host tier or read from disk."""
+        """The adapter in page layout: from the host tier, from a background
+        read already under way, or read from disk now."""
         lora_id = lora_request.lora_int_id
-        entry = self.host.get(lora_id)
-        if entry is not None and not lora_request.load_inplace:
+        with self._lock:
+            entry = None if lora_request.load_inplace else self.host.get(lora_id)
+            reading = self._reading.get(lora_id)
+        if entry is not None:
             return entry
+        if reading is not None and not lora_request.load_inplace:
+            return reading.result()
+        return self._read(lora_request)
+
+    def prefetch(self, lora_request: Any) -> None:
+        """Start reading an adapter into the host tier in the background."""
+        lora_id = lora_request.lora_int_id
+        with self._lock:
+            if lora_id in self.host or lora_id in self._reading:
+                return
+            future = self._reader.submit(self._read, lora_request)
+            self._reading[lora_id] = future
+
+        def done(f: Any) -> None:
+            with self._lock:
+                self._reading.pop(lora_id, None)
+            if f.exception() is not None:  # the step that needs it reads it again
+                logger.warning("vllm-loraserve: prefetch of %s failed: %s",
+                               lora_request.lora_name, f.exception())
+
+        future.add_done_callback(done)
+
+    def _read(self, lora_request: Any) -> HostAdapter:
+        """Disk -> host tier: vLLM's loader, then packing into page layout."""
         t0 = time.perf_counter()
-        if self.pool.layout is None:
-            raise RuntimeError("adapter loaded before the pool was bound to the KV cache")
         lora = self._load_adapter(lora_request)
         layout = self.pool.layout
         per_layer: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
@@ -172,8 +205,9 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         if torch.device(self.device).type == "cuda":
             streams = streams.pin_memory()
         entry = HostAdapter(lora_request.lora_name, placement, streams)
-        self.host.put(lora_id, entry)
-        self._record(lora_id, "host", time.perf_counter() - t0)
+        with self._lock:
+            self.host.put(lora_request.lora_int_id, entry)
+        self._record(lora_request.lora_int_id, "host", time.perf_counter() - t0)
         return entry
 
     # -- the scheduler's page decisions ---------------------------------------
@@ -182,6 +216,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             return
         if self.pool.layout is None:
             raise RuntimeError("adapter pages scheduled before the pool was bound to the KV cache")
+        for lora_request in step.prefetch:
+            self.prefetch(lora_request)
         for slot in step.evicted:
             self.pool.evict(slot)
         self.page_evictions += len(step.evicted)
@@ -223,14 +259,16 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         return True
 
     def remove_adapter(self, adapter_id: int) -> bool:
-        return self.host.pop(adapter_id) is not None
+        with self._lock:
+            return self.host.pop(adapter_id) is not None
 
     def pin_adapter(self, adapter_id: int) -> bool:
         raise ValueError("pinning adapters is not supported by the loraserve pool yet "
                          "(use --loraserve-pool vllm)")
 
     def list_adapters(self) -> set[int]:
-        return set(self.pool.slot_of) | set(self.host.ids())
+        with self._lock:
+            return set(self.pool.slot_of) | set(self.host.ids())
 
     def supports_tower_connector_lora(self) -> bool:
         return False
@@ -238,10 +276,12 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
     # -- residency report (worker/extension.py) -----------------------------------
     def snapshot(self, drain_events: bool = True) -> dict[str, Any]:
         gpu = sorted(self.pool.slot_of)
-        events = list(self._events)
-        if drain_events:
-            self._events.clear()
-        return {"gpu": gpu, "host": sorted(set(self.host.ids()) - set(gpu)),
+        with self._lock:
+            events = list(self._events)
+            if drain_events:
+                self._events.clear()
+            host_ids, host_bytes = self.host.ids(), self.host.bytes_used
+        return {"gpu": gpu, "host": sorted(set(host_ids) - set(gpu)),
                 "pages": {i: self.pool.pages_of(i) for i in gpu},
                 "events": events, "dropped_events": self.dropped_events,
                 "pool": {"page_loads": self.page_loads, "page_evictions": self.page_evictions,
@@ -249,5 +289,4 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                          "total_pages": self.pool.pages[0].shape[0] if self.pool.pages else 0,
                          "page_size": self.pool.layout.page_size if self.pool.layout else 0,
                          "peak_batch_adapters": self.pool.peak_batch_adapters,
-                         "host_bytes": self.host.bytes_used,
-                         "host_adapters": len(self.host.ids())}}
+                         "host_bytes": host_bytes, "host_adapters": len(host_ids)}}
