@@ -85,7 +85,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
     def __init__(self, vllm_config: Any, device: torch.device,
                  embedding_modules: dict[str, str], cfg: LoraServeConfig) -> None:
         super().__init__(vllm_config, device, embedding_modules)
-        self.vllm_config, self.cfg = vllm_config, cfg
+        self.cfg = cfg
         self.host = HostCache(cfg.host_cache_bytes)
         # Disk reads for prefetch run here, off the engine step; the host tier
         # and the table of reads under way are shared with it under _lock.
