@@ -13,14 +13,17 @@ from vllm_loraserve.kernels.batch import ModuleSlices, SlotTable, TokenBatch
 from vllm_loraserve.paging.layout import LayerLayout, read_segment
 
 
-def _slot_groups(batch: TokenBatch):
-    """(slot, token indices) per slot present in the batch."""
+def _slot_groups(batch: TokenBatch, slots: SlotTable):
+    """(slot, rank, segment offsets, token indices) per slot in the batch;
+    table rows are read once per call (element reads of a tensor are slow)."""
     sorted_tokens = batch.sorted_tokens.long()
     groups: dict[int, list[tuple[int, int]]] = {}
     for slot, start, length in batch.blocks[:batch.num_blocks].tolist():
         groups.setdefault(slot, []).append((start, length))
-    for slot, spans in groups.items():
-        yield slot, torch.cat([sorted_tokens[s:s + n] for s, n in spans])
+    ids = list(groups)
+    ranks, segs = slots.rank[ids].tolist(), slots.seg_offsets[ids].tolist()
+    for slot, rank, seg, spans in zip(ids, ranks, segs, groups.values(), strict=True):
+        yield slot, rank, seg, torch.cat([sorted_tokens[s:s + n] for s, n in spans])
 
 
 class TorchBackend:
@@ -31,11 +34,10 @@ class TorchBackend:
         """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T; every other entry of h is 0."""
         pages2d = pool.view(-1, layout.page_size)
         h.zero_()
-        for slot, toks in _slot_groups(batch):
-            rank = int(slots.rank[slot])
+        for slot, rank, offsets, toks in _slot_groups(batch, slots):
             for s in range(module.count):
                 seg = 2 * (module.first + s)
-                off = int(slots.seg_offsets[slot, seg])
+                off = offsets[seg]
                 if off < 0:
                     continue
                 a = read_segment(layout, pages2d, slots.pages[slot], rank, off, seg)
@@ -46,12 +48,11 @@ class TorchBackend:
         """y[t, slice s columns] += h[s, t, :rank] @ Bt_{slot(t), s}; tokens
         without an adapter and untargeted slices are left as they are."""
         pages2d = pool.view(-1, layout.page_size)
-        for slot, toks in _slot_groups(batch):
-            rank = int(slots.rank[slot])
+        for slot, rank, offsets, toks in _slot_groups(batch, slots):
             for s, (col, n_out) in enumerate(zip(module.out_offsets, module.out_features,
                                                  strict=True)):
                 seg = 2 * (module.first + s) + 1
-                off = int(slots.seg_offsets[slot, seg])
+                off = offsets[seg]
                 if off < 0:
                     continue
                 bt = read_segment(layout, pages2d, slots.pages[slot], rank, off, seg)
