@@ -39,3 +39,18 @@ def original(func: Any) -> Any:
     """The function a patch replaced (or `func` itself when unpatched)."""
     func = getattr(func, "__func__", func)
     return getattr(func, _MARK, func)
+
+
+class overlay:  # noqa: N801 (reads like a function at call sites)
+    """`obj` with some attributes replaced, every other one read through.
+
+    For handing a vLLM config to vLLM code with one value changed, without
+    copying (and re-validating) the config or changing it for everyone else.
+    """
+
+    def __init__(self, obj: Any, **attrs: Any) -> None:
+        self.__dict__.update(attrs)
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._obj, name)

@@ -4,7 +4,7 @@ The scheduler (engine core process) counts an adapter's pages and the workers
 write and read them; both must use the same `LayerLayout`. The scheduler has
 no model, only its config, so the layout is a pure function of the HF text
 config and the KV page size. Workers check it against the LoRA layers they
-really built (worker/pool.py) and refuse to start on a mismatch.
+really built (worker/paged_manager.py) and refuse to start on a mismatch.
 
 Slices follow a dense decoder layer in a fixed order (q, k, v, o, gate, up,
 down), so vLLM's packed layers (qkv_proj: q, k, v; gate_up_proj: gate, up)

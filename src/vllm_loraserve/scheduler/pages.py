@@ -36,14 +36,9 @@ class Resident:
     refs: int = 0
     stale: bool = False  # removed or replaced: evict as soon as idle
 
-    @property
-    def lora_int_id(self) -> int:
-        return self.lora_request.lora_int_id
-
 
 @dataclass
 class PoolStats:
-    loads: int = 0
     evictions: int = 0
     hits: int = 0  # acquires that found the adapter resident
     misses: int = 0  # acquires that had to load it
@@ -108,7 +103,6 @@ class AdapterPages:
             self._step.loads.append(PageLoad(r.slot, lora_request, rank,
                                              tuple(b.block_id for b in r.blocks)))
             self.stats.misses += 1
-            self.stats.loads += 1
         else:
             self.stats.hits += 1
         r.refs += 1

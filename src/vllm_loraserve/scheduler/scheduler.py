@@ -25,7 +25,13 @@ import logging
 import sys
 from typing import Any
 
-from vllm_loraserve.adapters.peft import AdapterError, inspect_adapter
+from vllm_loraserve._patching import overlay, wrap
+from vllm_loraserve.adapters.peft import (
+    AdapterError,
+    ModelLoRAInfo,
+    check_against_model,
+    inspect_adapter,
+)
 from vllm_loraserve.config import from_vllm_config
 from vllm_loraserve.paging.layout import LayerLayout
 from vllm_loraserve.paging.model import model_layout
@@ -37,19 +43,6 @@ logger = logging.getLogger(f"vllm.{__name__}")
 # enough to hide disk reads behind the steps, few enough not to churn a host
 # tier that holds only tens of large adapters.
 PREFETCH_AHEAD = 16
-
-
-class _NoSlotCap:
-    """vLLM's LoRAConfig as the scheduler sees it, with `max_loras` lifted:
-    the scheduler reads it only to cap distinct adapters per batch."""
-
-    max_loras = sys.maxsize
-
-    def __init__(self, config: Any) -> None:
-        self._config = config
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._config, name)
 
 
 def page_elements(vllm_config: Any, kv_cache_config: Any) -> int:
@@ -85,30 +78,28 @@ class PoolSchedulerMixin:
                                                               self.kv_cache_config))
 
         demands: dict[int, tuple[int, int]] = {}  # lora id -> (rank, pages)
-
-        slices = {s.name for s in layout.slices}
+        # The API server's adapter check, against what the pool can serve.
+        servable = ModelLoRAInfo({s.name: frozenset({(s.in_features, s.out_features)})
+                                  for s in layout.slices}, self.lora_config.max_lora_rank)
+        max_pages = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
 
         def demand(lora_request: Any) -> tuple[int, int]:
             key = lora_request.lora_int_id
             if key not in demands:
                 spec = inspect_adapter(lora_request.lora_path)
-                odd = sorted(set(spec.target_modules) - slices)
-                if odd:
-                    raise AdapterError(f"the loraserve pool serves {sorted(slices)}; this "
-                                       f"adapter also targets {odd}")
-                if spec.rank > self.lora_config.max_lora_rank:
-                    raise AdapterError(f"rank {spec.rank} is above --max-lora-rank "
-                                       f"{self.lora_config.max_lora_rank}")
-                demands[key] = spec.rank, layout.place(spec.rank, spec.target_modules).num_pages
-                if demands[key][1] > self.kv_cache_manager.block_pool.num_gpu_blocks - 1:
-                    raise AdapterError(f"it needs {demands[key][1]} pages, more than the "
-                                       "whole KV cache holds")
+                check_against_model(spec, servable)
+                pages = layout.place(spec.rank, spec.target_modules).num_pages
+                if pages > max_pages:
+                    raise AdapterError(f"it needs {pages} pages, more than the whole KV "
+                                       "cache holds")
+                demands[key] = spec.rank, pages
             return demands[key]
 
         self._adapter_demands = demands
         self._hinted: set[int] = set()
         self._adapter_failures: dict[str, str] = {}  # request id -> why
-        self.lora_config = _NoSlotCap(self.lora_config)
+        # The scheduler reads max_loras only to cap distinct adapters per batch.
+        self.lora_config = overlay(self.lora_config, max_loras=sys.maxsize)
         self.adapter_pages = AdapterPages(self.kv_cache_manager.block_pool, demand,
                                           cfg.max_slots)
         self.kv_cache_manager.allocate_slots = self._make_allocate(
@@ -243,8 +234,6 @@ def install() -> None:
     """EngineCore's LoRA RPCs bypass the scheduler (they go straight to the
     workers); a remove or an in-place reload must also drop the pages."""
     from vllm.v1.engine.core import EngineCore
-
-    from vllm_loraserve._patching import wrap
 
     wrap(EngineCore, "remove_lora", _make_remove_lora)
     wrap(EngineCore, "add_lora", _make_add_lora)

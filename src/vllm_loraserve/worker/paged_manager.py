@@ -32,6 +32,7 @@ from vllm.lora.model_manager import LoRAModelManager, create_lora_manager
 from vllm.lora.worker_manager import WorkerLoRAManager
 from vllm.model_executor.models.utils import extract_layer_index
 
+from vllm_loraserve._patching import overlay
 from vllm_loraserve.config import LoraServeConfig
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.layout import pack_layer
@@ -43,19 +44,6 @@ from vllm_loraserve.worker.pool import DevicePool
 from vllm_loraserve.worker.residency import MAX_BUFFERED_EVENTS
 
 logger = logging.getLogger(f"vllm.{__name__}")
-
-
-class _OneRankConfig:
-    """vLLM's LoRAConfig with max_lora_rank 1: vLLM's layers then allocate
-    1-row stacks (they must exist, but the pool never reads them)."""
-
-    max_lora_rank = 1
-
-    def __init__(self, config: Any) -> None:
-        self._config = config
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._config, name)
 
 
 class PagedLoRAModelManager(LoRAModelManager):
@@ -72,7 +60,9 @@ class PagedLoRAModelManager(LoRAModelManager):
         return super()._match_target_modules(module_name)
 
     def _create_lora_modules(self) -> None:
-        real, self.lora_config = self.lora_config, _OneRankConfig(self.lora_config)
+        # With max_lora_rank 1, vLLM's layers allocate 1-row stacks (they must
+        # exist, but the pool never reads them).
+        real, self.lora_config = self.lora_config, overlay(self.lora_config, max_lora_rank=1)
         try:
             super()._create_lora_modules()
         finally:
@@ -189,16 +179,16 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         layout = self.pool.layout
         per_layer: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
             {} for _ in range(self.num_layers)]
-        rank = lora.rank
+        servable = {s.name for s in layout.slices}
         for name, w in lora.loras.items():
-            if name.rsplit(".", 1)[-1] not in {s.name for s in layout.slices}:
+            short = name.rsplit(".", 1)[-1]
+            if short not in servable:
                 raise ValueError(f"adapter {lora_request.lora_name} targets {name}, which "
                                  "the loraserve pool does not serve")
             # Scaling folded into B here; pack_layer then stores B transposed.
-            per_layer[extract_layer_index(name)][name.rsplit(".", 1)[-1]] = (
-                w.lora_a, w.lora_b * w.scaling)
+            per_layer[extract_layer_index(name)][short] = (w.lora_a, w.lora_b * w.scaling)
         targets = sorted({t for layer in per_layer for t in layer})
-        placement = layout.place(rank, targets)
+        placement = layout.place(lora.rank, targets)
         dtype = self.lora_config.lora_dtype
         streams = torch.stack([pack_layer(layout, placement, w, 1.0, dtype)
                                for w in per_layer])
