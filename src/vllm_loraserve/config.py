@@ -53,6 +53,13 @@ class LoraServeConfig:
         "from disk when needed again.",
         flag="--loraserve-host-cache-bytes",
     )
+    read_threads: int = _opt(
+        4,
+        "Threads per worker that read adapters from disk into the host tier "
+        "(prefetch for the waiting queue). Requests whose adapter is still "
+        "being read wait in the queue; the batch does not.",
+        flag="--loraserve-read-threads",
+    )
     max_slots: int = _opt(
         4096,
         "Most adapters resident in the paged pool at once (the length of the "
@@ -77,7 +84,7 @@ class LoraServeConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"loraserve.{f.name} must be one of {list(choices)}, "
                                  f"got {getattr(self, f.name)!r}")
-        for name in ("host_cache_bytes", "max_slots"):
+        for name in ("host_cache_bytes", "read_threads", "max_slots"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"loraserve.{name} must be a positive integer, got {value!r}")

@@ -22,15 +22,16 @@ class Request:
 
 
 def run_vllm(tmp_path, model: str, requests: list[Request], engine: dict, max_tokens: int,
-             env: dict | None = None, dtype: str = "float32"):
+             env: dict | None = None, dtype: str = "float32", script: str = "vllm_generate.py",
+             **spec):
     """{"outputs": greedy tokens and logprobs per request, "lora_modules": the
     workers' module table or None, "residency": the workers' report or None}
-    from vLLM, in a fresh process."""
+    from vLLM, in a fresh process running `script` (`spec`: its extra keys)."""
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
     json.dump({"model": model, "dtype": dtype, "engine": engine, "max_tokens": max_tokens,
-               "requests": [r.__dict__ for r in requests]}, open(spec_path, "w"))
+               "requests": [r.__dict__ for r in requests], **spec}, open(spec_path, "w"))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_generate.py"),
+    proc = subprocess.run([sys.executable, os.path.join(HERE, script),
                            str(spec_path), str(out_path)], env=env, capture_output=True,
                           text=True, timeout=600)
     if proc.returncode != 0:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 
 import httpx
 import openai
@@ -25,8 +26,20 @@ BASE = "tiny"
 HOST_BYTES = 16 << 20
 
 
+# Good adapters, broken on disk after start-up by the test that uses them.
+VICTIMS = {"victim-truncated": "adapter-002-r32", "victim-deleted": "adapter-003-r64"}
+
+
 @pytest.fixture(scope="module")
-def server(tiny_assets, tmp_path_factory):
+def victims(tiny_assets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("victims")
+    for name, source in VICTIMS.items():
+        shutil.copytree(os.path.join(tiny_assets, "adapters", source), root / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tiny_assets, victims, tmp_path_factory):
     bad = tmp_path_factory.mktemp("bad")
     build_bad_adapters(tiny_assets, str(bad))
     adapters = os.path.join(tiny_assets, "adapters")
@@ -36,6 +49,7 @@ def server(tiny_assets, tmp_path_factory):
             "--max-lora-rank", "128", "--max-loras", "1", "--num-gpu-blocks-override", "48",
             "--loraserve-host-cache-bytes", str(HOST_BYTES),
             "--loraserve-adapter-dir", adapters, "--loraserve-adapter-dir", str(bad),
+            "--loraserve-adapter-dir", str(victims),
             "--lora-modules", f"static-ok={adapters}/adapter-001-r16",
             f"static-bad={bad}/rank-256"]
     with vllm_server(os.path.join(tiny_assets, "model"), args,
@@ -58,7 +72,7 @@ def _adapters(url):
 def test_models_lists_servable_adapters_only(server, tiny_assets):
     ids = {m["id"] for m in httpx.get(f"{server}/v1/models").json()["data"]}
     records = json.load(open(os.path.join(tiny_assets, "adapters.json")))
-    assert ids == {BASE, "static-ok", *(r["name"] for r in records)}
+    assert ids == {BASE, "static-ok", *VICTIMS, *(r["name"] for r in records)}
 
 
 def test_adapter_listing_fields(server, tiny_assets):
@@ -151,6 +165,83 @@ def test_bad_adapter_gets_400_with_reason_and_others_keep_serving(server, name):
     assert _complete(server, BASE).status_code == 200
 
 
+def _read_failure(response, name):
+    message = response.json()["error"]["message"]
+    return f"LoRA adapter '{name}' cannot be served" in message and \
+        "its files could not be read" in message
+
+
+def test_adapters_broken_on_disk_after_their_checks_fail_alone(server, victims, tiny_assets,
+                                                                 tmp_path):
+    """Truncated or deleted after start-up (and, for a runtime load, after it
+    left the host tier): an adapter's requests fail with a message naming it,
+    the requests sent with them are answered exactly, the adapter is listed
+    invalid with the reason, and the engine keeps serving."""
+    weights = victims / "victim-truncated" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    shutil.rmtree(victims / "victim-deleted")
+
+    rng = random.Random(9)
+    good = [Request([rng.randrange(8, 250) for _ in range(rng.randint(4, 30))], n,
+                    os.path.join(tiny_assets, "adapters", n) if n else None)
+            for n in ("adapter-001-r16", "adapter-005-r8", None)]
+
+    async def post(client, model, prompt):
+        return await client.post(f"{server}/v1/completions", json={
+            "model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "logprobs": 0, "return_token_ids": True, "ignore_eos": True})
+
+    async def all_at_once():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(
+                *(post(client, q.lora_name or BASE, q.prompt_ids) for q in good),
+                *(post(client, name, "Hello there") for name in [*VICTIMS, *VICTIMS]))
+
+    responses = asyncio.run(all_at_once())
+    for r, name in zip(responses[len(good):], [*VICTIMS, *VICTIMS], strict=True):
+        assert r.status_code in (400, 500) and _read_failure(r, name), (r.status_code, r.text)
+    outs = []
+    for r in responses[:len(good)]:
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        outs.append({"token_ids": choice["token_ids"],
+                     "logprobs": choice["logprobs"]["token_logprobs"]})
+    ref = HFReference(os.path.join(tiny_assets, "model"))
+    problems = [p for q, o in zip(good, outs, strict=True) for p in mismatches(ref, q, o, 6)]
+    assert not problems, "\n".join(problems)
+
+    listed = _adapters(server)
+    for name in VICTIMS:
+        assert listed[name]["status"] == "invalid"
+        assert "its files could not be read" in listed[name]["error"]
+        r = _complete(server, name)
+        assert r.status_code == 400 and _read_failure(r, name)
+
+    # A runtime load is read into the host tier at once; deleted once it left.
+    late = tmp_path / "late"
+    shutil.copytree(os.path.join(tiny_assets, "adapters", "adapter-005-r8"), late)
+    r = httpx.post(f"{server}/v1/load_lora_adapter",
+                   json={"lora_name": "late-deleted", "lora_path": str(late)})
+    assert r.status_code == 200, r.text
+    for other in ("adapter-004-r128", "adapter-003-r64", "adapter-002-r32", "adapter-000-r8",
+                  "adapter-001-r16"):
+        assert _complete(server, other).status_code == 200
+    assert _adapters(server)["late-deleted"]["residency"] == "disk"
+    shutil.rmtree(late)
+    r = _complete(server, "late-deleted")
+    assert r.status_code in (400, 500) and _read_failure(r, "late-deleted"), r.text
+    assert _complete(server, "adapter-001-r16").status_code == 200
+    assert _complete(server, BASE).status_code == 200
+    # Unloading the broken adapter clears its failure; its name can be reused.
+    r = httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "late-deleted"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{server}/v1/load_lora_adapter", json={
+        "lora_name": "late-deleted",
+        "lora_path": os.path.join(tiny_assets, "adapters", "adapter-005-r8")})
+    assert r.status_code == 200, r.text
+    assert _complete(server, "late-deleted").status_code == 200
+
+
 def test_unknown_adapter_is_404(server):
     r = _complete(server, "no-such-adapter")
     assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
@@ -209,7 +300,10 @@ def test_per_adapter_metrics(server):
         assert _delta(after, before, "loraserve_adapter_generation_tokens_total",
                       adapter=model) == gen
     assert all("," not in dict(labels).get("adapter", "") for _, labels in after)
-    assert after[("loraserve_adapters", (("state", "invalid"),))] == len(EXPECTED_REASONS) + 1
+    # The bad ones and static-bad, and any adapter broken on disk by an earlier test.
+    invalid = sum(a["status"] == "invalid" for a in _adapters(server).values())
+    assert after[("loraserve_adapters", (("state", "invalid"),))] == invalid >= \
+        len(EXPECTED_REASONS) + 1
     loads = {dict(labels)["adapter"] for name, labels in after
              if name == "loraserve_adapter_loads_total"}
     assert {a, b} <= loads
@@ -218,3 +312,7 @@ def test_per_adapter_metrics(server):
     assert pages["total"] == 48 and 0 < pages["adapter"] <= 47
     assert after[("loraserve_pool_page_events", (("event", "eviction"),))] > 0
     assert 0 < after[("loraserve_pool_host_bytes", ())] <= HOST_BYTES
+    prefetch = {r: after[("loraserve_pool_prefetch", (("result", r),))] for r in ("hit", "miss")}
+    assert prefetch["hit"] + prefetch["miss"] == \
+        after[("loraserve_pool_page_events", (("event", "load"),))] and prefetch["hit"] > 0
+    assert _delta(after, before, "loraserve_adapter_wait_seconds_count") >= 3

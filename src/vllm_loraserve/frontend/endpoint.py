@@ -44,6 +44,7 @@ async def _refresh(state: Any) -> None:
     m.set_states(catalog.counts())
     if "pool" in snapshot:
         m.set_pool(snapshot["pool"])
+        m.record_waits(snapshot["adapter_waits"])
 
 
 def _engine_unavailable(e: Exception) -> JSONResponse:

@@ -20,10 +20,12 @@ import functools
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
+from vllm.v1.engine import FinishReason
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from vllm_loraserve._patching import wrap
 from vllm_loraserve.config import from_vllm_config
+from vllm_loraserve.frontend.serving import note_engine_failure
 
 _TALLY_ATTR = "loraserve_by_adapter"
 
@@ -72,6 +74,16 @@ class Metrics:
             "Adapter page loads (host tier to KV pages) and evictions since start.", ["event"])
         self.pool_host_bytes = Gauge(
             "loraserve_pool_host_bytes", "Bytes of adapters held in the pool's host tier.")
+        self.pool_prefetch = Gauge(
+            "loraserve_pool_prefetch",
+            "Adapter page loads since start whose adapter was already in the host tier "
+            "(hit: read ahead or kept) or had to be read during the step (miss).",
+            ["result"])
+        self.adapter_wait_seconds = Histogram(
+            "loraserve_adapter_wait_seconds",
+            "Time a request waited in the queue for its adapter to be read into the host "
+            "tier (0 when it was ready), per admitted request with an adapter.",
+            buckets=(0.0, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
     def set_pool(self, pool: dict[str, int]) -> None:
         self.pool_pages.labels("adapter").set(pool["adapter_pages"])
@@ -79,6 +91,12 @@ class Metrics:
         self.pool_events.labels("load").set(pool["page_loads"])
         self.pool_events.labels("eviction").set(pool["page_evictions"])
         self.pool_host_bytes.set(pool["host_bytes"])
+        self.pool_prefetch.labels("hit").set(pool["prefetch_hits"])
+        self.pool_prefetch.labels("miss").set(pool["prefetch_misses"])
+
+    def record_waits(self, seconds: list[float]) -> None:
+        for s in seconds:
+            self.adapter_wait_seconds.observe(s)
 
     def record_loads(self, events: list[tuple[str, str, float]], dropped: int) -> None:
         for adapter, tier, seconds in events:
@@ -108,6 +126,11 @@ def _tally(iteration_stats: Any, lora_name: str | None) -> _Tally:
 def _make_update_from_output(update):
     def patched(self, req_state, engine_core_output, engine_core_timestamp, iteration_stats):
         update(self, req_state, engine_core_output, engine_core_timestamp, iteration_stats)
+        # The pool scheduler fails a request whose adapter cannot be served
+        # with FINISHED_ERROR and the reason as its stop_reason.
+        if engine_core_output.finish_reason == FinishReason.ERROR and req_state.lora_name \
+                and isinstance(engine_core_output.stop_reason, str):
+            note_engine_failure(req_state.lora_name, engine_core_output.stop_reason)
         if iteration_stats is not None:
             tally = _tally(iteration_stats, req_state.lora_name)
             if req_state.is_prefilling:

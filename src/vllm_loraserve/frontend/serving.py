@@ -10,13 +10,19 @@ With the plugin active:
   the worker reads each from disk on its first request;
 - requests naming an invalid adapter get HTTP 400 with the reason; unknown
   names keep vLLM's 404;
+- an adapter the engine could not serve after all (its files changed on
+  disk after the checks) is marked invalid with the engine's reason when its
+  first request fails (`note_engine_failure`), and that request's error
+  names it (`_raise_if_error`);
 - `/v1/unload_lora_adapter` also frees the worker's copy (vLLM alone only
   forgets the name).
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import weakref
 from http import HTTPStatus
 from typing import Any
 
@@ -28,17 +34,27 @@ from vllm_loraserve.frontend.catalog import AdapterCatalog, scan_adapter_dir
 logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
 
 CATALOG_ATTR = "_loraserve_catalog"
+# This API-server process's catalogues (one per served model registry).
+_CATALOGS: weakref.WeakSet[AdapterCatalog] = weakref.WeakSet()
+# The model the current request named (set by the model check, read when
+# its generation fails).
+_REQUEST_MODEL: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "loraserve_request_model", default=None)
 
 
 def catalog_of(models: Any) -> AdapterCatalog | None:
     return getattr(models, CATALOG_ATTR, None)
 
 
+def _bad_adapter_message(name: str, reason: str) -> str:
+    return f"LoRA adapter '{name}' cannot be served: {reason}"
+
+
 def _bad_adapter(name: str, reason: str) -> Any:
     from vllm.entrypoints.serve.utils.error_response import create_error_response
 
     return create_error_response(
-        message=f"LoRA adapter '{name}' cannot be served: {reason}",
+        message=_bad_adapter_message(name, reason),
         err_type="BadRequestError",
         status_code=HTTPStatus.BAD_REQUEST,
         param="model",
@@ -52,7 +68,27 @@ def _make_catalog(models: Any) -> AdapterCatalog:
         shapes = (await engine_client.collective_rpc("loraserve_lora_modules"))[0]
         return ModelLoRAInfo.from_wire(shapes, engine_client.vllm_config.lora_config.max_lora_rank)
 
-    return AdapterCatalog(fetch)
+    catalog = AdapterCatalog(fetch)
+    _CATALOGS.add(catalog)
+    return catalog
+
+
+def note_engine_failure(name: str, reason: str) -> None:
+    """The engine failed a request because adapter `name` cannot be served:
+    mark it invalid here too, so its next requests get HTTP 400 at once."""
+    for catalog in _CATALOGS:
+        entry = catalog.entries.get(name)
+        if entry is not None and entry.spec is not None:
+            logger.error("%s (other adapters keep serving)", _bad_adapter_message(name, reason))
+            catalog.reject(name, reason)
+
+
+def _engine_failure(name: str | None) -> str | None:
+    for catalog in _CATALOGS:
+        reason = catalog.invalid_reason(name) if name else None
+        if reason is not None:
+            return reason
+    return None
 
 
 def _make_load_lora_adapter(load_lora_adapter):
@@ -141,7 +177,8 @@ def _make_check_model(check_model):
     async def patched(self, request):
         catalog = catalog_of(self.models)
         name = getattr(request, "model", None)
-        if catalog is not None and name and name not in self.models.lora_requests:
+        if catalog is not None and name:
+            _REQUEST_MODEL.set(name)
             reason = catalog.invalid_reason(name)
             if reason is not None:
                 return _bad_adapter(name, reason)
@@ -150,7 +187,24 @@ def _make_check_model(check_model):
     return patched
 
 
+def _make_raise_if_error(raise_if_error):
+    def patched(self, finish_reason, request_id):
+        if finish_reason == "error":
+            name = _REQUEST_MODEL.get()
+            reason = _engine_failure(name)
+            if reason is not None:
+                from vllm.entrypoints.openai.engine.protocol import GenerationError
+
+                # Still a 500 (the server could not serve it); the adapter's
+                # next requests get 400 from the model check.
+                raise GenerationError(_bad_adapter_message(name, reason))
+        return raise_if_error(self, finish_reason, request_id)
+
+    return patched
+
+
 def install() -> None:
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
     from vllm.entrypoints.serve.engine.serving import BaseServing
 
@@ -158,3 +212,4 @@ def install() -> None:
     wrap(OpenAIServingModels, "init_static_loras", _make_init_static_loras)
     wrap(OpenAIServingModels, "unload_lora_adapter", _make_unload_lora_adapter)
     wrap(BaseServing, "_check_model", _make_check_model)
+    wrap(GenerateBaseServing, "_raise_if_error", _make_raise_if_error)

@@ -7,9 +7,15 @@ so it survives the pickled multiprocess path), and workers apply it before
 the step's forward pass: first `evicted`, then `loads`; `prefetch` only
 starts background reads.
 
+The way back is `PoolReport`, on the step's `ModelRunnerOutput` under the
+same attribute: the worker's state (not deltas), so a report that never
+arrives (an empty step the engine short-cuts) loses nothing.
+
 Invariant: after applying every `PoolStep` in order, a worker's slot table
 equals the scheduler's resident set, and every adapter a scheduled request
-uses is in it.
+uses is in it, except adapters the worker could not read: their tokens run
+without LoRA, and the worker's next report names them, so the scheduler
+fails their requests before their tokens are emitted.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 STEP_ATTR = "loraserve"
+REPORT_ATTR = "loraserve"
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,18 @@ class PoolStep:
     # Adapters of waiting requests that are not resident (S-LoRA's prefetch):
     # workers start reading them into their host tier in the background.
     prefetch: list[Any] = field(default_factory=list)  # LoRARequest
+    # Seconds each request admitted this step waited for its adapter (0 when
+    # it was resident or in the host tier at once); for /metrics, which reads
+    # the workers.
+    waits: list[float] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.evicted or self.loads or self.prefetch)
+        return bool(self.evicted or self.loads or self.prefetch or self.waits)
+
+
+@dataclass(frozen=True)
+class PoolReport:
+    """A worker's host tier as the scheduler needs it for admission."""
+
+    host_ready: frozenset[int]  # lora ids whose page streams are in host memory
+    failed: dict[int, str]  # lora id -> why its weights could not be read

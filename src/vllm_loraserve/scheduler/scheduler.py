@@ -15,6 +15,14 @@ things:
   go before any request's KV (S-LoRA §5.2).
 - **Refs follow requests.** A request holds its adapter from admission until
   `_free_request_blocks` (finish and preemption alike).
+- **Admission waits for the host tier, not the batch.** A waiting request
+  whose adapter is neither resident nor in the workers' host tier (their
+  `PoolReport`) is set aside for the step; its adapter is among the next
+  cold adapters of the queue the workers read in the background (S-LoRA's
+  prefetch), and requests behind it whose adapters are ready go first.
+- **An adapter that cannot be served fails its own requests**, whether the
+  check fails here or the worker cannot read its files later; the engine
+  keeps serving everyone else.
 - **Workers hear of every page change** through `PoolStep` on the step's
   SchedulerOutput (paging/step.py).
 """
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any
 
 from vllm_loraserve._patching import overlay, wrap
@@ -35,13 +44,14 @@ from vllm_loraserve.adapters.peft import (
 from vllm_loraserve.config import from_vllm_config
 from vllm_loraserve.paging.layout import LayerLayout
 from vllm_loraserve.paging.model import model_layout
-from vllm_loraserve.paging.step import STEP_ATTR
+from vllm_loraserve.paging.step import REPORT_ATTR, STEP_ATTR, PoolReport
 from vllm_loraserve.scheduler.pages import AdapterPages
 
 logger = logging.getLogger(f"vllm.{__name__}")
-# Distinct adapters ahead in the waiting queue whose host copies are prepared:
-# enough to hide disk reads behind the steps, few enough not to churn a host
-# tier that holds only tens of large adapters.
+# Distinct cold adapters of the waiting queue whose host copies are prepared
+# at once: enough to keep the readers busy and hide disk reads behind the
+# steps, few enough not to churn a host tier that holds only tens of large
+# adapters.
 PREFETCH_AHEAD = 16
 
 
@@ -96,8 +106,12 @@ class PoolSchedulerMixin:
             return demands[key]
 
         self._adapter_demands = demands
-        self._hinted: set[int] = set()
         self._adapter_failures: dict[str, str] = {}  # request id -> why
+        # The workers' host tier, from their last PoolReport.
+        self._host_ready: frozenset[int] = frozenset()
+        self._read_failures: dict[int, str] = {}  # lora id -> why (sticky until removed)
+        self._held_since: dict[str, float] = {}  # request id -> first set aside
+        self._waits: list[float] = []  # adapter waits of this step's admissions
         # The scheduler reads max_loras only to cap distinct adapters per batch.
         self.lora_config = overlay(self.lora_config, max_loras=sys.maxsize)
         self.adapter_pages = AdapterPages(self.kv_cache_manager.block_pool, demand,
@@ -121,9 +135,7 @@ class PoolSchedulerMixin:
                         return None
                 except AdapterError as e:
                     # Only this request fails (update_from_output), not the engine.
-                    reason = f"adapter {lr.lora_name} cannot be served: {e}"
-                    logger.error("vllm-loraserve: %s", reason)
-                    self._adapter_failures[request.request_id] = reason
+                    self._fail_request(request, str(e))
                     return None
                 acquired = True
             blocks = allocate_slots(request, *args, **kwargs)
@@ -133,55 +145,118 @@ class PoolSchedulerMixin:
                 blocks = allocate_slots(request, *args, **kwargs)
             if blocks is None and acquired:
                 pages.release(request.request_id)
+            elif acquired:
+                now = time.monotonic()
+                self._waits.append(now - self._held_since.pop(request.request_id, now))
             return blocks
 
         return allocate
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().schedule(*args, **kwargs)
+        held = self._set_aside_cold()
+        try:
+            out = super().schedule(*args, **kwargs)
+        finally:
+            for queue, requests in held:
+                queue.prepend_requests(requests)
         step = self.adapter_pages.take_step()
         step.prefetch = self._prefetch_hints()
+        step.waits, self._waits = self._waits, []
         setattr(out, STEP_ATTR, step)
         return out
 
-    def _prefetch_hints(self) -> list[Any]:
-        """The next PREFETCH_AHEAD distinct cold adapters in the waiting queue,
-        each hinted once until it becomes resident (S-LoRA §5.2)."""
-        hints, seen = [], set()
-        for request in self.waiting:
-            lr = request.lora_request
-            if lr is None or lr.lora_int_id in seen:
+    def _ready(self, lora_id: int) -> bool:
+        return lora_id in self.adapter_pages.resident or lora_id in self._host_ready
+
+    def _set_aside_cold(self) -> list[tuple[Any, Any]]:
+        """Take waiting requests whose adapter is not ready out of vLLM's
+        queues for this step (vLLM stops at the first request it cannot
+        admit; these must not block the ones behind them)."""
+        from vllm.v1.core.sched.request_queue import create_request_queue
+
+        now, held = time.monotonic(), []
+        for queue in (self.waiting, self.skipped_waiting):
+            cold = [r for r in queue
+                    if r.lora_request is not None and not self._ready(r.lora_request.lora_int_id)]
+            if not cold:
                 continue
-            seen.add(lr.lora_int_id)
-            if len(seen) > PREFETCH_AHEAD:
-                break
-            if lr.lora_int_id not in self.adapter_pages.resident and \
-                    lr.lora_int_id not in self._hinted:
-                self._hinted.add(lr.lora_int_id)
+            queue.remove_requests(cold)
+            aside = create_request_queue(self.policy)
+            for request in cold:
+                aside.add_request(request)
+                self._held_since.setdefault(request.request_id, now)
+            held.append((queue, aside))
+        return held
+
+    def _prefetch_hints(self) -> list[Any]:
+        """The first PREFETCH_AHEAD distinct adapters of the waiting queue
+        that are not ready (S-LoRA §5.2). Hinted every step until ready: the
+        workers ignore hints for reads already done or under way."""
+        hints, seen = [], set()
+        for queue in (self.skipped_waiting, self.waiting):
+            for request in queue:
+                lr = request.lora_request
+                if lr is None or lr.lora_int_id in seen or self._ready(lr.lora_int_id) \
+                        or lr.lora_int_id in self._read_failures:
+                    continue
+                seen.add(lr.lora_int_id)
                 hints.append(lr)
-        self._hinted &= seen  # hint again once it left the window and came back
+                if len(hints) == PREFETCH_AHEAD:
+                    return hints
         return hints
 
-    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
-        outputs = super().update_from_output(*args, **kwargs)
+    def _take_report(self, model_runner_output: Any) -> None:
+        report: PoolReport | None = getattr(model_runner_output, REPORT_ATTR, None)
+        if report is None:
+            return
+        self._host_ready = report.host_ready
+        for lora_id in report.failed.keys() - self._read_failures.keys():
+            self.forget_adapter(lora_id)  # its pages go once its requests have failed
+        self._read_failures = report.failed
+        if self._read_failures:
+            for request in self.requests.values():
+                lr = request.lora_request
+                if lr is not None and lr.lora_int_id in self._read_failures \
+                        and not request.is_finished():
+                    self._fail_request(request, self._read_failures[lr.lora_int_id])
+
+    def _fail_request(self, request: Any, reason: str) -> None:
+        """Finish `request` with an error at this step's update; `reason`
+        (why its adapter cannot be served) becomes its stop_reason, which the
+        API server turns into the error message."""
+        if request.request_id not in self._adapter_failures:
+            logger.error("vllm-loraserve: request %s: adapter %s cannot be served: %s",
+                         request.request_id, request.lora_request.lora_name, reason)
+            self._adapter_failures[request.request_id] = reason
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        self._take_report(model_runner_output)
+        failed = []
         if self._adapter_failures:
-            from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
             from vllm.v1.request import RequestStatus
 
+            # Before vLLM reads the step's tokens: a request whose adapter
+            # could not be loaded ran without it, and those tokens are dropped.
             failed = self.finish_requests(list(self._adapter_failures),
                                           RequestStatus.FINISHED_ERROR)
-            self._adapter_failures.clear()
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if failed:
+            from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+
             for request in failed:
                 eco = outputs.setdefault(request.client_index, EngineCoreOutputs())
                 eco.outputs.append(EngineCoreOutput(
                     request_id=request.request_id, new_token_ids=[],
-                    finish_reason=request.get_finished_reason(), events=request.take_events(),
-                    trace_headers=request.trace_headers))
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=self._adapter_failures[request.request_id],
+                    events=request.take_events(), trace_headers=request.trace_headers))
+        self._adapter_failures.clear()
         return outputs
 
     def _free_request_blocks(self, request: Any) -> None:
         super()._free_request_blocks(request)
         self.adapter_pages.release(request.request_id)
+        self._held_since.pop(request.request_id, None)
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         # BlockPool.reset_prefix_cache needs every block free: idle adapters go.
@@ -192,6 +267,7 @@ class PoolSchedulerMixin:
         """A runtime remove or in-place reload: drop the adapter's pages once idle."""
         self.adapter_pages.forget(lora_id)
         self._adapter_demands.pop(lora_id, None)
+        self._read_failures.pop(lora_id, None)
 
 
 def make_scheduler(*args: Any, **kwargs: Any) -> Any:

@@ -4,8 +4,10 @@
 GPU V2, CPU) creates its LoRA manager (vllm/v1/worker/lora_model_runner_mixin.py,
 identical in 0.26 and 0.27). Only when the plugin is active for this engine:
 - with the paged pool, `PagedWorkerLoRAManager` replaces vLLM's manager;
-  `initialize_kv_cache` then binds it to the KV cache and `execute_model`
-  applies the scheduler's page decisions before each forward pass;
+  `initialize_kv_cache` then binds it to the KV cache, `execute_model`
+  applies the scheduler's page decisions before each forward pass, and the
+  step's output (from `execute_model` or `sample_tokens`) carries the
+  worker's `PoolReport` back to the scheduler;
 - with `--loraserve-pool vllm`, vLLM's manager stays, the residency tracker
   watches it and, on the CPU platform, the no-adapter fix for the CPU LoRA
   ops is installed.
@@ -16,6 +18,7 @@ the features its V2 runner lacks, so vLLM logs that and picks V1.
 
 from __future__ import annotations
 
+import copy
 import logging
 
 from vllm_loraserve._patching import wrap
@@ -80,14 +83,49 @@ def _make_initialize_kv_cache(initialize_kv_cache):
     return patched
 
 
+def _with_report(manager, out):
+    """Put the worker's `PoolReport` on the step's output for the scheduler.
+    vLLM returns a shared empty output for token-less steps, so that one is
+    copied first; an async output gets it when it is resolved."""
+    if out is None:  # sample_tokens() brings the output
+        return out
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput
+
+    from vllm_loraserve.paging.step import REPORT_ATTR
+
+    if isinstance(out, AsyncModelRunnerOutput):
+        get_output = out.get_output
+
+        def get_output_with_report():
+            return _with_report(manager, get_output())
+
+        out.get_output = get_output_with_report
+        return out
+    if out is EMPTY_MODEL_RUNNER_OUTPUT:
+        out = copy.copy(out)
+    setattr(out, REPORT_ATTR, manager.report())
+    return out
+
+
 def _make_execute_model(execute_model):
     def patched(self, scheduler_output, *a, **kw):
         manager = _paged_manager(self)
-        if manager is not None:
-            from vllm_loraserve.paging.step import STEP_ATTR
+        if manager is None:
+            return execute_model(self, scheduler_output, *a, **kw)
+        from vllm_loraserve.paging.step import STEP_ATTR
 
-            manager.apply_step(getattr(scheduler_output, STEP_ATTR, None))
-        return execute_model(self, scheduler_output, *a, **kw)
+        manager.apply_step(getattr(scheduler_output, STEP_ATTR, None),
+                           idle=scheduler_output.total_num_scheduled_tokens == 0)
+        return _with_report(manager, execute_model(self, scheduler_output, *a, **kw))
+
+    return patched
+
+
+def _make_sample_tokens(sample_tokens):
+    def patched(self, *a, **kw):
+        out = sample_tokens(self, *a, **kw)
+        manager = _paged_manager(self)
+        return out if manager is None else _with_report(manager, out)
 
     return patched
 
@@ -112,3 +150,4 @@ def install() -> None:
     wrap(LoRAModelRunnerMixin, "load_lora_model", _make_load_lora_model)
     wrap(GPUModelRunner, "initialize_kv_cache", _make_initialize_kv_cache)
     wrap(GPUModelRunner, "execute_model", _make_execute_model)
+    wrap(GPUModelRunner, "sample_tokens", _make_sample_tokens)

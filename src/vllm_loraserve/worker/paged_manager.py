@@ -11,7 +11,14 @@ warm-up calls). Differences from vLLM:
 - Residency is decided by the scheduler (scheduler/pages.py); `apply_step`
   carries out its `PoolStep` before each forward pass.
 - Loaded adapters are kept, in page layout, in a byte-bounded host tier
-  (worker/host_cache.py). A runtime `add_lora` fills that tier (prefetch).
+  (worker/host_cache.py), filled by `read_threads` background readers from
+  the scheduler's prefetch hints (and by a runtime `add_lora`). Each step's
+  `PoolReport` tells the scheduler which adapters are in that tier, so it
+  admits a request only once its adapter is; a step reads from disk itself
+  only if the tier dropped an adapter after reporting it.
+- An adapter whose files cannot be read (changed or removed on disk after
+  its checks) is marked failed with the reason: its tokens run without LoRA
+  in that one step, and the scheduler fails its requests; the engine goes on.
 - Embedding and lm_head adapters are not wrapped, so the API server's checks
   refuse adapters that target them (HTTP 400, naming the module).
 """
@@ -22,7 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -37,7 +44,7 @@ from vllm_loraserve.config import LoraServeConfig
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.layout import pack_layer
 from vllm_loraserve.paging.model import model_layout, module_slice_names
-from vllm_loraserve.paging.step import PoolStep
+from vllm_loraserve.paging.step import PoolReport, PoolStep
 from vllm_loraserve.worker.host_cache import HostAdapter, HostCache
 from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker.pool import DevicePool
@@ -77,11 +84,21 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         super().__init__(vllm_config, device, embedding_modules)
         self.cfg = cfg
         self.host = HostCache(cfg.host_cache_bytes)
-        # Disk reads for prefetch run here, off the engine step; the host tier
-        # and the table of reads under way are shared with it under _lock.
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraserve-read")
+        # Disk reads for prefetch run here, off the engine step; the host tier,
+        # the reads under way and the failures are shared with them under _lock.
+        self._reader = ThreadPoolExecutor(max_workers=cfg.read_threads,
+                                          thread_name_prefix="loraserve-read")
         self._reading: dict[int, Future] = {}
+        self.failed: dict[int, str] = {}  # lora id -> why its files could not be read
+        # Read since the last report, even if the tier dropped them again: each
+        # finished read admits its requests at least once (no livelock when
+        # the tier is smaller than the reads under way).
+        self._fresh: set[int] = set()
         self._lock = threading.Lock()
+        # Page loads whose adapter was already in the host tier (hits) or had
+        # to be read, or waited for, inside the step (misses).
+        self.prefetch_hits = self.prefetch_misses = 0
+        self._waits: deque[float] = deque(maxlen=MAX_BUFFERED_EVENTS)
         self.pool: DevicePool  # made by create_lora_manager
         self._dummy_ids: set[int] = set()
         self.page_loads = self.page_evictions = 0
@@ -141,24 +158,25 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                 self.dropped_events += 1
             self._events.append((lora_id, tier, seconds))
 
-    def _host_adapter(self, lora_request: Any) -> HostAdapter:
-        """The adapter in page layout: from the host tier, from a background
-        read already under way, or read from disk now."""
+    def _host_adapter(self, lora_request: Any) -> tuple[HostAdapter, bool]:
+        """The adapter in page layout, and whether the host tier had it: from
+        the host tier, from a background read already under way, or read from
+        disk now."""
         lora_id = lora_request.lora_int_id
         with self._lock:
             entry = None if lora_request.load_inplace else self.host.get(lora_id)
             reading = self._reading.get(lora_id)
         if entry is not None:
-            return entry
+            return entry, True
         if reading is not None and not lora_request.load_inplace:
-            return reading.result()
-        return self._read(lora_request)
+            return reading.result(), False
+        return self._read(lora_request), False
 
     def prefetch(self, lora_request: Any) -> None:
         """Start reading an adapter into the host tier in the background."""
         lora_id = lora_request.lora_int_id
         with self._lock:
-            if lora_id in self.host or lora_id in self._reading:
+            if lora_id in self.host or lora_id in self._reading or lora_id in self.failed:
                 return
             future = self._reader.submit(self._read, lora_request)
             self._reading[lora_id] = future
@@ -166,15 +184,33 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         def done(f: Any) -> None:
             with self._lock:
                 self._reading.pop(lora_id, None)
-            if f.exception() is not None:  # the step that needs it reads it again
-                logger.warning("vllm-loraserve: prefetch of %s failed: %s",
-                               lora_request.lora_name, f.exception())
 
         future.add_done_callback(done)
+
+    def _fail(self, lora_request: Any, error: BaseException) -> None:
+        reason = f"its files could not be read: {type(error).__name__}: {error}"
+        logger.error("vllm-loraserve: adapter %s (id %d) %s", lora_request.lora_name,
+                     lora_request.lora_int_id, reason)
+        with self._lock:
+            self.failed[lora_request.lora_int_id] = reason
 
     def _read(self, lora_request: Any) -> HostAdapter:
         """Disk -> host tier: vLLM's loader, then packing into page layout."""
         t0 = time.perf_counter()
+        try:
+            entry = self._pack(lora_request)
+        except Exception as e:
+            # Adapter files are input: whatever they raise fails this adapter only.
+            self._fail(lora_request, e)
+            raise
+        with self._lock:
+            self.host.put(lora_request.lora_int_id, entry)
+            self.failed.pop(lora_request.lora_int_id, None)
+            self._fresh.add(lora_request.lora_int_id)
+        self._record(lora_request.lora_int_id, "host", time.perf_counter() - t0)
+        return entry
+
+    def _pack(self, lora_request: Any) -> HostAdapter:
         lora = self._load_adapter(lora_request)
         layout = self.pool.layout
         per_layer: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
@@ -194,42 +230,68 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                                for w in per_layer])
         if torch.device(self.device).type == "cuda":
             streams = streams.pin_memory()
-        entry = HostAdapter(lora_request.lora_name, placement, streams)
-        with self._lock:
-            self.host.put(lora_request.lora_int_id, entry)
-        self._record(lora_request.lora_int_id, "host", time.perf_counter() - t0)
-        return entry
+        return HostAdapter(lora_request.lora_name, placement, streams)
 
     # -- the scheduler's page decisions ---------------------------------------
-    def apply_step(self, step: PoolStep | None) -> None:
-        if not step:
-            return
+    def apply_step(self, step: PoolStep | None, idle: bool = False) -> None:
+        """Carry out the scheduler's page decisions before the forward pass.
+        `idle`: the step runs no tokens (every waiting request's adapter is
+        still being read); wait briefly for a read instead of spinning."""
+        if step:
+            self._apply(step)
+        if idle:
+            with self._lock:
+                reading = list(self._reading.values())
+            if reading:
+                wait(reading, timeout=0.005, return_when=FIRST_COMPLETED)
+
+    def _apply(self, step: PoolStep) -> None:
         if self.pool.layout is None:
             raise RuntimeError("adapter pages scheduled before the pool was bound to the KV cache")
         for lora_request in step.prefetch:
             self.prefetch(lora_request)
+        with self._lock:
+            self._waits.extend(step.waits)
         for slot in step.evicted:
             self.pool.evict(slot)
         self.page_evictions += len(step.evicted)
         self.page_loads += len(step.loads)
         for load in step.loads:
-            entry = self._host_adapter(load.lora_request)
-            if entry.placement.rank != load.rank or entry.placement.num_pages != len(
-                    load.page_ids):
-                raise RuntimeError(
-                    f"adapter {load.lora_request.lora_name}: the scheduler planned rank "
-                    f"{load.rank} in {len(load.page_ids)} pages, the files hold rank "
-                    f"{entry.placement.rank} in {entry.placement.num_pages}")
+            lr = load.lora_request
+            hit = False
+            try:
+                entry, hit = self._host_adapter(lr)
+                if (entry.placement.rank, entry.placement.num_pages) != (load.rank,
+                                                                          len(load.page_ids)):
+                    raise ValueError(
+                        f"the files changed since the scheduler checked them: rank "
+                        f"{entry.placement.rank} in {entry.placement.num_pages} pages, "
+                        f"planned rank {load.rank} in {len(load.page_ids)}")
+            except Exception as e:
+                if lr.lora_int_id not in self.failed:
+                    self._fail(lr, e)
+                self.pool.evict(load.slot)  # its tokens run without LoRA this step
+                continue
+            finally:
+                self.prefetch_hits += hit
+                self.prefetch_misses += not hit
             t0 = time.perf_counter()
-            self.pool.load(load.slot, load.lora_request.lora_int_id, entry.placement,
-                           load.page_ids, entry.streams)
-            self._record(load.lora_request.lora_int_id, "gpu", time.perf_counter() - t0)
+            self.pool.load(load.slot, lr.lora_int_id, entry.placement, load.page_ids,
+                           entry.streams)
+            self._record(lr.lora_int_id, "gpu", time.perf_counter() - t0)
+
+    def report(self) -> PoolReport:
+        with self._lock:
+            ready, self._fresh = frozenset(self.host.ids()) | self._fresh, set()
+            return PoolReport(ready, dict(self.failed))
 
     # -- the model runner's interface -------------------------------------------
     def set_active_adapters(self, requests: set[Any], mapping: Any | None) -> None:
         if mapping is None:
             return
-        self.pool.set_tokens(np.asarray(mapping.index_mapping), self._dummy_ids)
+        with self._lock:
+            failed = self.failed.keys() - self.pool.slot_of.keys()
+        self.pool.set_tokens(np.asarray(mapping.index_mapping), self._dummy_ids | failed)
 
     def add_dummy_lora(self, lora_request: Any, rank: int) -> bool:
         # Warm-up adapters are never written: their tokens run without LoRA.
@@ -244,12 +306,16 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self._dummy_ids.clear()
 
     def add_adapter(self, adapter_request: Any) -> bool:
-        """Runtime add_lora: read the adapter into the host tier now."""
+        """Runtime add_lora: read the adapter into the host tier now (a
+        failure is the load's error, and forgets any earlier one)."""
+        with self._lock:
+            self.failed.pop(adapter_request.lora_int_id, None)
         self._host_adapter(adapter_request)
         return True
 
     def remove_adapter(self, adapter_id: int) -> bool:
         with self._lock:
+            self.failed.pop(adapter_id, None)
             return self.host.pop(adapter_id) is not None
 
     def pin_adapter(self, adapter_id: int) -> bool:
@@ -270,13 +336,19 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             events = list(self._events)
             if drain_events:
                 self._events.clear()
+            waits = list(self._waits)
+            if drain_events:
+                self._waits.clear()
             host_ids, host_bytes = self.host.ids(), self.host.bytes_used
         return {"gpu": gpu, "host": sorted(set(host_ids) - set(gpu)),
                 "pages": {i: self.pool.pages_of(i) for i in gpu},
                 "events": events, "dropped_events": self.dropped_events,
+                "adapter_waits": waits,
                 "pool": {"page_loads": self.page_loads, "page_evictions": self.page_evictions,
                          "adapter_pages": self.pool.pages_held,
                          "total_pages": self.pool.pages[0].shape[0] if self.pool.pages else 0,
                          "page_size": self.pool.layout.page_size if self.pool.layout else 0,
                          "peak_batch_adapters": self.pool.peak_batch_adapters,
-                         "host_bytes": host_bytes, "host_adapters": len(host_ids)}}
+                         "host_bytes": host_bytes, "host_adapters": len(host_ids),
+                         "prefetch_hits": self.prefetch_hits,
+                         "prefetch_misses": self.prefetch_misses}}
