@@ -187,11 +187,19 @@ def run_config(name: str, root: str, out: str, profile: int = 0) -> None:
         snap = llm.collective_rpc("loraserve_residency")[0]
         res["pool"] = snap["pool"]
         # Where load time went in the timed run: disk -> host tier (read and
-        # pack), host -> pages (copy); both run inside the engine step today.
+        # pack, on the reader threads unless a step had to read: a prefetch
+        # miss), host -> pages (copy, inside the step).
         for tier in ("host", "gpu"):
             secs = [s for _, t_, s in snap["events"] if t_ == tier]
             res["pool"][f"{tier}_loads_timed"] = len(secs)
             res["pool"][f"{tier}_load_s_timed"] = round(sum(secs), 2)
+        waits = sorted(snap["adapter_waits"])  # per admitted request, seconds
+        if waits:
+            res["pool"]["adapter_wait_s"] = {
+                "requests": len(waits), "waited": sum(w > 0 for w in waits),
+                "p50": round(waits[len(waits) // 2], 3),
+                "p99": round(waits[min(len(waits) - 1, int(0.99 * len(waits)))], 3),
+                "max": round(waits[-1], 3)}
         res["pool"]["kv_pages_free_at_end"] = (res["pool"]["total_pages"]
                                                - res["pool"]["adapter_pages"])
     log(f"{name}: {n_out} out tok in {dt:.2f} s -> {n_out / dt:.1f} out tok/s")

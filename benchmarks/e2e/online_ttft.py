@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Online latency: `loraserve bench replay` against `vllm serve`, one server
+per config, at a fixed request rate (open loop, Poisson arrivals).
+
+The model, adapters and engine settings are bench_e2e.py's (Llama-2-7B
+shape, dummy bf16 weights, PEFT adapters of ranks 8..128 on q,k,v,o, 100
+distinct weight sets hard-linked under many names). Each config replays the
+same trace shape, made by `loraserve bench gen --kind loraserve` over its
+number of adapters (prompt and output lengths U[8,512]); trace adapter
+"r{rank}-{j}" is served as the j-th served adapter of that rank. `none`
+replays the 100-adapter trace with every request sent to the base model.
+
+    python3 benchmarks/e2e/online_ttft.py --configs none,pool-100 --rate 12 --duration 60 --out $OUT
+
+Results: replay-CONFIG.json (every request, and the summary: TTFT, TPOT,
+E2E percentiles) and online.json with the summaries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_e2e  # noqa: E402  (assets shared with the offline benchmark)
+
+from vllm_loraserve.process import Server, free_port, vllm_executable  # noqa: E402
+
+BASE = "base"
+COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "2048",
+          "--gpu-memory-utilization", "0.9", "--seed", "0", "--served-model-name", BASE]
+LORA = ["--enable-lora", "--max-lora-rank", "128", "--lora-target-modules",
+        *bench_e2e.LORA_TARGETS]
+# name -> (adapters in the trace, plugin on, requests sent to adapters)
+CONFIGS = {"none": (100, False, False), "stock-100": (100, False, True),
+           "pool-100": (100, True, True), "pool-1000": (1000, True, True),
+           "pool-2000": (2000, True, True)}
+
+
+def loraserve_cli(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "vllm_loraserve.cli.main", *args], check=True)
+
+
+def server_args(name: str, root: str) -> list[str]:
+    n, plugin, adapters = CONFIGS[name]
+    names = [f"a{i:04d}" for i in range(n)]
+    if not adapters:
+        return []
+    if not plugin:
+        return [*LORA, "--max-loras", "32", "--max-cpu-loras", str(n), "--lora-modules",
+                *(f"{a}={os.path.join(root, 'names', a)}" for a in names)]
+    served = os.path.join(root, f"served-{n}")  # just this config's names
+    os.makedirs(served, exist_ok=True)
+    for a in names:
+        link = os.path.join(served, a)
+        if not os.path.lexists(link):
+            os.symlink(os.path.join(root, "names", a), link)
+    return [*LORA, "--max-loras", "1", "--plugin", "loraserve", "--loraserve-adapter-dir",
+            served]
+
+
+def model_map(name: str, catalog: str) -> dict[str, str]:
+    n, _, adapters = CONFIGS[name]
+    ranks = bench_e2e.RANKS
+    out = {}
+    for spec in json.load(open(catalog)):
+        if not adapters:
+            out[spec["name"]] = BASE
+            continue
+        j = int(spec["name"].rsplit("-", 1)[1])
+        out[spec["name"]] = f"a{j * len(ranks) + ranks.index(spec['rank']):04d}"
+    assert len(set(out.values())) == (n if adapters else 1), "trace and served adapters differ"
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="none,stock-100,pool-100,pool-1000")
+    ap.add_argument("--rate", type=float, default=12.0, help="requests per second")
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    ap.add_argument("--root", default="/dev/shm/loraserve-e2e")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/online-out"))
+    ap.add_argument("--start-timeout-s", type=float, default=300)
+    a = ap.parse_args()
+    configs = a.configs.split(",")
+    if unknown := sorted(set(configs) - set(CONFIGS)):
+        sys.exit(f"unknown configs {unknown}; choose from {sorted(CONFIGS)}")
+    os.makedirs(a.out, exist_ok=True)
+    bench_e2e.write_model(os.path.join(a.root, "model"))
+    bench_e2e.write_adapters(a.root, max(CONFIGS[c][0] for c in configs))
+    summary: dict = {"rate": a.rate, "duration": a.duration, "configs": {}}
+    for c in configs:
+        n = CONFIGS[c][0]
+        trace = os.path.join(a.out, f"trace-{n}.jsonl")
+        catalog = os.path.join(a.out, f"trace-{n}.adapters.json")
+        if not os.path.exists(trace):
+            loraserve_cli("bench", "gen", "--kind", "loraserve", "--num-adapters", str(n),
+                          "--rate", str(a.rate), "--duration", str(a.duration), "--seed", "1",
+                          "--out", trace)
+        mapping = os.path.join(a.out, f"map-{c}.json")
+        json.dump(model_map(c, catalog), open(mapping, "w"))
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [vllm_executable(), "serve", os.path.join(a.root, "model"), *COMMON,
+               "--host", "127.0.0.1", "--port", str(port), *server_args(c, a.root)]
+        server = Server(cmd, os.path.join(a.out, f"server-{c}.log"))
+        result: dict = {"command": cmd[1:]}
+        try:
+            t = time.time()
+            server.wait_ready(url, a.start_timeout_s, progress=False)
+            result["start_s"] = round(time.time() - t, 1)
+            out = os.path.join(a.out, f"replay-{c}.json")
+            loraserve_cli("bench", "replay", "--trace", trace, "--url", url, "--out", out,
+                          "--model-map", mapping, "--token-id-min", "4", "--token-id-max",
+                          str(bench_e2e.SHAPE["vocab_size"]))
+            result["summary"] = json.load(open(out))["summary"]
+            result["status"] = "ok"
+        except Exception as e:  # one config failing must not lose the others' results
+            result["status"] = f"failed: {e}"
+        finally:
+            server.stop()
+        summary["configs"][c] = result
+        s = result.get("summary", {})
+        print(f"[online] {c}: {result['status']}; TTFT {s.get('ttft_s')}; "
+              f"{s.get('throughput_output_tok_s')} out tok/s; errors {s.get('errors')}",
+              flush=True)
+        json.dump(summary, open(os.path.join(a.out, "online.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
