@@ -14,6 +14,7 @@ from vllm_loraserve.adapters.peft import (
     ModelLoRAInfo,
     check_against_model,
     inspect_adapter,
+    load_adapter,
     write_adapter,
 )
 
@@ -43,6 +44,25 @@ def test_inspect_reads_rank_alpha_targets_and_size(tmp_path):
     assert spec.size_bytes == 4 * (4 * 16 + 16 * 4) + 4 * (4 * 32 + 16 * 4)  # fp32
     assert spec.modules["model.layers.0.mlp.down_proj"].in_features == 32
     check_against_model(spec, MODEL)  # fits
+
+
+def test_load_adapter_returns_the_written_weights(tmp_path):
+    path = _write(tmp_path / "a", rank=4, alpha=8)
+    spec, weights = load_adapter(path)
+    assert spec == inspect_adapter(path) and weights.keys() == DIMS.keys()
+    g = torch.Generator().manual_seed(0)  # _write's draws, in its order
+    for module, (n_in, n_out) in DIMS.items():
+        a, b = torch.randn(4, n_in, generator=g), torch.randn(n_out, 4, generator=g)
+        assert torch.equal(weights[module][0], a) and torch.equal(weights[module][1], b)
+
+
+def test_load_adapter_refuses_truncated_weights(tmp_path):
+    path = _write(tmp_path / "a")
+    f = os.path.join(path, "adapter_model.safetensors")
+    data = open(f, "rb").read()
+    open(f, "wb").write(data[:len(data) // 2])
+    with pytest.raises(AdapterError, match="unreadable"):
+        load_adapter(path)
 
 
 def test_rslora_scaling(tmp_path):

@@ -195,6 +195,35 @@ def inspect_adapter(path: str) -> AdapterSpec:
     )
 
 
+def load_adapter(path: str) -> tuple[AdapterSpec, dict[str, tuple[Any, Any]]]:
+    """An adapter's spec (checked as `inspect_adapter` does) and its weights:
+    module path (PEFT prefix stripped) -> (A [rank, in], B [out, rank]), CPU
+    tensors in the file's dtype, scaling not applied."""
+    import torch
+
+    spec = inspect_adapter(path)
+    st_path = os.path.join(spec.path, SAFETENSORS_FILE)
+    try:
+        if os.path.isfile(st_path):
+            from safetensors.torch import load_file
+
+            tensors = load_file(st_path)
+        else:
+            tensors = torch.load(os.path.join(spec.path, BIN_FILE), map_location="cpu",
+                                 weights_only=True)
+    except Exception as e:  # the libraries raise their own error types
+        raise AdapterError(f"the adapter weights in {spec.path} are unreadable: {e}") from None
+    pairs: dict[str, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        stem = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
+        module, _, kind = stem.removesuffix(".weight").rpartition(".")
+        pairs.setdefault(module, {})[_KINDS.get(kind, kind)] = tensor
+    if pairs.keys() != spec.modules.keys() or any(set(ab) != {"A", "B"}
+                                                   for ab in pairs.values()):
+        raise AdapterError(f"the adapter weights in {spec.path} changed while being read")
+    return spec, {m: (ab["A"], ab["B"]) for m, ab in pairs.items()}
+
+
 @dataclass(frozen=True)
 class ModelLoRAInfo:
     """What the served model accepts: short module name -> allowed (in, out)

@@ -40,6 +40,7 @@ from vllm.lora.worker_manager import WorkerLoRAManager
 from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_loraserve._patching import overlay
+from vllm_loraserve.adapters.peft import load_adapter, short_name
 from vllm_loraserve.config import LoraServeConfig
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.layout import pack_layer
@@ -211,25 +212,27 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         return entry
 
     def _pack(self, lora_request: Any) -> HostAdapter:
-        lora = self._load_adapter(lora_request)
+        # The project's reader, not vLLM's: vLLM's pins every A and B tensor
+        # (hundreds of small pinned allocations per adapter, serialized in the
+        # driver); here one pinned buffer is allocated per adapter.
+        spec, weights = load_adapter(lora_request.lora_path)
         layout = self.pool.layout
         per_layer: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
             {} for _ in range(self.num_layers)]
         servable = {s.name for s in layout.slices}
-        for name, w in lora.loras.items():
-            short = name.rsplit(".", 1)[-1]
+        for name, ab in weights.items():
+            short = short_name(name)
             if short not in servable:
                 raise ValueError(f"adapter {lora_request.lora_name} targets {name}, which "
                                  "the loraserve pool does not serve")
-            # Scaling folded into B here; pack_layer then stores B transposed.
-            per_layer[extract_layer_index(name)][short] = (w.lora_a, w.lora_b * w.scaling)
-        targets = sorted({t for layer in per_layer for t in layer})
-        placement = layout.place(lora.rank, targets)
+            per_layer[extract_layer_index(name)][short] = ab
+        placement = layout.place(spec.rank, spec.target_modules)
         dtype = self.lora_config.lora_dtype
-        streams = torch.stack([pack_layer(layout, placement, w, 1.0, dtype)
-                               for w in per_layer])
-        if torch.device(self.device).type == "cuda":
-            streams = streams.pin_memory()
+        streams = torch.empty((self.num_layers, placement.num_pages * layout.page_size),
+                              dtype=dtype,
+                              pin_memory=torch.device(self.device).type == "cuda")
+        for layer, w in enumerate(per_layer):
+            streams[layer] = pack_layer(layout, placement, w, spec.scaling, dtype)
         return HostAdapter(lora_request.lora_name, placement, streams)
 
     # -- the scheduler's page decisions ---------------------------------------
