@@ -3,7 +3,8 @@
 vLLM loads general plugins once per process, but a process may import this
 package twice (API server parser + engine args), and tests reload it. Every
 patch therefore goes through `wrap`, which marks the replacement and refuses
-to wrap a function twice.
+to wrap a function twice. A target that is missing raises PatchTargetMissing
+(naming it), never a bare KeyError or AttributeError.
 """
 
 from __future__ import annotations
@@ -15,14 +16,31 @@ from typing import Any
 _MARK = "__loraserve_original__"
 
 
+class PatchTargetMissing(RuntimeError):
+    """A function the plugin patches is not where this vLLM was expected to have it."""
+
+
+def _qualname(owner: Any, name: str) -> str:
+    prefix = getattr(owner, "__module__", None) if isinstance(owner, type) else None
+    return ".".join(p for p in (prefix, getattr(owner, "__qualname__", None)
+                                or getattr(owner, "__name__", repr(owner)), name) if p)
+
+
 def wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> bool:
     """Replace `owner.name` by `make(original)` unless already replaced.
 
     Static and class methods keep their descriptor kind, and the replacement
     carries the original's name and signature. Returns True when the
-    patch was installed now, False when it was already in place.
+    patch was installed now, False when it was already in place. A class
+    attribute must be the class's own (patching an inherited one would change
+    the base class's behaviour only for this subclass, silently).
     """
-    raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    if isinstance(owner, type):
+        raw = owner.__dict__.get(name)
+    else:
+        raw = getattr(owner, name, None)
+    if raw is None or not callable(getattr(raw, "__func__", raw)):
+        raise PatchTargetMissing(f"{_qualname(owner, name)} is missing or not a function")
     kind = type(raw) if isinstance(raw, staticmethod | classmethod) else None
     func = raw.__func__ if kind else raw
     if getattr(func, _MARK, None) is not None:

@@ -37,6 +37,14 @@ class LoraServeConfig:
         flag="--loraserve-adapter-dir",
         action="append",
     )
+    allowed_roots: list[str] = _opt(
+        [],
+        "Directory under which runtime /v1/load_lora_adapter may read adapters "
+        "(besides the --loraserve-adapter-dir directories). A path outside every "
+        "root, also through '..' or a symlink, gets HTTP 403. Repeatable.",
+        flag="--loraserve-allowed-root",
+        action="append",
+    )
     pool: str = _opt(
         "paged",
         "Where adapter weights live on the device. 'paged': in pages of the KV "
@@ -75,10 +83,10 @@ class LoraServeConfig:
     )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.adapter_dirs, list) or not all(
-            isinstance(d, str) for d in self.adapter_dirs
-        ):
-            raise ValueError("loraserve.adapter_dirs must be a list of paths")
+        for name in ("adapter_dirs", "allowed_roots"):
+            value = getattr(self, name)
+            if not isinstance(value, list) or not all(isinstance(d, str) for d in value):
+                raise ValueError(f"loraserve.{name} must be a list of paths")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:

@@ -87,6 +87,8 @@ def test_written_adapter_is_real_peft(tmp_path):
     ({"r": 0}, "positive integer"),
     ({"r": 8}, "says r=8"),
     ({"lora_alpha": "big"}, "lora_alpha"),
+    ({"lora_alpha": float("nan")}, "'lora_alpha' must be a finite number, got nan"),
+    ({"lora_alpha": float("inf")}, "'lora_alpha' must be a finite number, got inf"),
     ({"peft_type": "IA3"}, "only LORA"),
 ])
 def test_refused_configs(tmp_path, change, message):
@@ -187,3 +189,20 @@ def test_embedding_adapter_shapes(tmp_path):
     m = inspect_adapter(path).modules["model.embed_tokens"]
     assert (m.in_features, m.out_features, m.embedding) == (100, 16, True)
 
+
+
+def test_non_finite_weights(tmp_path):
+    from vllm_loraserve.adapters.peft import check_finite_weights
+
+    path = _write(tmp_path / "a")
+    check_finite_weights(path)  # finite: passes
+    from safetensors.torch import load_file, save_file
+
+    st = os.path.join(path, "adapter_model.safetensors")
+    tensors = load_file(st)
+    key = sorted(tensors)[1]
+    tensors[key][0, 0] = float("inf")
+    save_file(tensors, st)
+    inspect_adapter(path)  # the header is fine
+    with pytest.raises(AdapterError, match=f"tensor '{key}' holds non-finite values"):
+        check_finite_weights(path)

@@ -89,12 +89,19 @@ def fake_engines(n: int, urls: list[str] | None = None) -> tuple[dict[int, FakeE
     return engines, world
 
 
-def upstream_app(index: int):
+def upstream_app(index: int, model_info: dict | None = None):
     """A stand-in for `vllm serve`: /v1/completions answers with its engine
     index; streams when asked; the prompt "break" drops the connection after
     the first chunk (an engine dying mid-response); "slow" waits 3 s before
-    answering (or after the first chunk when streaming)."""
+    answering (or after the first chunk when streaming).
+    /loraserve/v1/model answers `model_info` (404 without one)."""
     app = FastAPI()
+
+    @app.get("/loraserve/v1/model")
+    async def model():
+        if model_info is None:
+            return StreamingResponse(iter([b"{}"]), status_code=404)
+        return model_info
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -124,10 +131,11 @@ def upstream_app(index: int):
 class UpstreamServer:
     """`upstream_app` served by uvicorn on 127.0.0.1 in a thread."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, model_info: dict | None = None) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(upstream_app(index), host="127.0.0.1",
+        self.server = uvicorn.Server(uvicorn.Config(upstream_app(index, model_info),
+                                                    host="127.0.0.1",
                                                     port=port, log_level="critical"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

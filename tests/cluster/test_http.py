@@ -20,9 +20,21 @@ from vllm_loraserve.process import free_port
 CATALOG = {"a8": 8, "b8": 8, "c64": 64, "d128": 128}
 
 
+def tiny_model_info(tiny_assets) -> dict:
+    """What a plugin server for the tiny model answers on /loraserve/v1/model."""
+    from vllm_loraserve.adapters.peft import short_name
+    from vllm_loraserve.demo.assets import ALL_TARGETS, module_dims
+
+    shapes: dict = {}
+    for module, dims in module_dims(os.path.join(tiny_assets, "model"), ALL_TARGETS).items():
+        shapes.setdefault(short_name(module), set()).add(dims)
+    return {"max_rank": 128, "shapes": {k: sorted(v) for k, v in shapes.items()}}
+
+
 @pytest.fixture(scope="module")
-def upstreams():
-    servers = [UpstreamServer(0), UpstreamServer(1)]
+def upstreams(tiny_assets):
+    info = tiny_model_info(tiny_assets)
+    servers = [UpstreamServer(0, info), UpstreamServer(1, info)]
     yield [s.url for s in servers]
     for s in servers:
         s.stop()
@@ -207,4 +219,93 @@ def test_admin_routes(upstreams, tiny_assets, tmp_path):
                      "loraserve_router_fetches_total", "loraserve_router_migrations_total"):
             assert name in text
         assert (await client.post("/admin/engines/9/restart")).status_code == 404
-    run_router(upstreams, body, registry=lambda name, path: copied.append((name, path)))
+    run_router(upstreams, body, registry=lambda name, path: copied.append((name, path)),
+               adapter_roots=[str(tmp_path), os.path.join(tiny_assets, "adapters")])
+
+
+def test_admin_routes_need_the_token(upstreams):
+    async def body(client, core):
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+            for method, path in (("GET", "/admin/status"), ("POST", "/admin/adapters"),
+                                 ("DELETE", "/admin/adapters/a8"), ("POST", "/admin/rebalance"),
+                                 ("PUT", "/admin/placement")):
+                r = await client.request(method, path, headers=headers, json={})
+                assert r.status_code == 401, (method, path, headers)
+                assert "Bearer" in r.json()["error"]["message"]
+                assert r.headers["www-authenticate"] == "Bearer"
+        assert "a8" in core.catalog  # the unauthorised DELETE did nothing
+        ok = {"authorization": "Bearer s3cret"}
+        assert (await client.get("/admin/status", headers=ok)).status_code == 200
+        # the OpenAI API and health stay open
+        assert (await client.get("/v1/models")).status_code == 200
+        assert (await client.get("/health")).status_code == 200
+        r = await client.post("/v1/completions", json={"model": "a8", "prompt": "hi"})
+        assert r.status_code == 200
+    run_router(upstreams, body, admin_token="s3cret")
+
+
+def test_register_checks_name_roots_and_model_before_copying(upstreams, tiny_assets,
+                                                              tmp_path):
+    from tests.e2e.bad_adapters import build_bad_adapters, build_inf_weights
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    good = os.path.join(tiny_assets, "adapters", "adapter-000-r8")
+    import shutil
+
+    shutil.copytree(good, outside / "ok")
+    shutil.copytree(good, root / "ok")
+    os.symlink(outside / "ok", root / "link-out")
+    build_bad_adapters(tiny_assets, str(root / "bad"))
+    build_inf_weights(tiny_assets, str(root))
+    copied = []
+
+    async def body(client, core):
+        async def post(name, path):
+            r = await client.post("/admin/adapters", json={"name": name, "path": str(path)})
+            return r.status_code, r.json().get("error", {}).get("message", "")
+
+        for path in (outside / "ok", f"{root}/../outside/ok", root / "link-out", "/etc"):
+            status, message = await post("x", path)
+            assert status == 403 and "outside the adapter roots" in message, (path, message)
+        for name, reason in (("a/b", "invalid adapter name"), ("x" * 201, "201 characters"),
+                             ("base", "name of a served base model")):
+            status, message = await post(name, root / "ok")
+            assert status == 400 and reason in message
+        for path, reason in ((root / "bad" / "wrong-base", "does not fit this base model"),
+                             (root / "bad" / "rank-256", "above this server's maximum"),
+                             (root / "bad" / "nan-alpha", "finite number"),
+                             (root / "inf-weights", "non-finite values")):
+            status, message = await post("x", path)
+            assert status == 400 and reason in message, (path, message)
+        assert copied == []  # nothing refused was copied
+        assert await post("fine", root / "ok") == (200, "")
+        assert copied == [("fine", str(root / "ok"))]
+    run_router(upstreams, body, registry=lambda name, path: copied.append((name, path)),
+               adapter_roots=[str(root)])
+
+
+def test_register_copies_off_the_event_loop(upstreams, tiny_assets):
+    """A slow copy must not stall other requests (the router is one event loop)."""
+    import time
+
+    def slow_copy(name, path):
+        time.sleep(1.5)
+
+    async def body(client, core):
+        good = os.path.join(tiny_assets, "adapters", "adapter-000-r8")
+
+        t0 = time.perf_counter()
+
+        async def health_answered_at():
+            await asyncio.sleep(0.3)  # the copy is under way
+            assert (await client.get("/health")).status_code == 200
+            return time.perf_counter() - t0
+
+        r, answered = await asyncio.gather(
+            client.post("/admin/adapters", json={"name": "slow", "path": good}),
+            health_answered_at())
+        assert r.status_code == 200
+        assert answered < 1.0, f"/health answered {answered:.2f} s in, behind the 1.5 s copy"
+    run_router(upstreams, body, registry=slow_copy,
+               adapter_roots=[os.path.join(tiny_assets, "adapters")])

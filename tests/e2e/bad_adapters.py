@@ -16,7 +16,10 @@ EXPECTED_REASONS = {
     "wrong-base": "does not fit this base model",
     "bad-target": "unsupported target module(s) ['rotary_proj']",
     "dora": "DoRA",
+    "nan-alpha": "'lora_alpha' must be a finite number, got nan",
 }
+# Only a read of the tensors finds this one (on its first request).
+INF_WEIGHTS = "inf-weights"
 
 
 def build_bad_adapters(tiny_assets: str, out: str) -> None:
@@ -39,3 +42,19 @@ def build_bad_adapters(tiny_assets: str, out: str) -> None:
     cfg_path = os.path.join(out, "dora", "adapter_config.json")
     cfg = json.load(open(cfg_path))
     json.dump({**cfg, "use_dora": True}, open(cfg_path, "w"))
+    shutil.copytree(good, os.path.join(out, "nan-alpha"))
+    cfg_path = os.path.join(out, "nan-alpha", "adapter_config.json")
+    json.dump({**cfg, "lora_alpha": float("nan")}, open(cfg_path, "w"))
+
+
+def build_inf_weights(tiny_assets: str, out: str) -> str:
+    """A copy of a good adapter with one Inf weight: its header is fine."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(out, INF_WEIGHTS)
+    shutil.copytree(os.path.join(tiny_assets, "adapters", "adapter-000-r8"), path)
+    st = os.path.join(path, "adapter_model.safetensors")
+    tensors = load_file(st)
+    next(iter(tensors.values()))[0, 0] = float("inf")
+    save_file(tensors, st, metadata={"format": "pt"})
+    return path

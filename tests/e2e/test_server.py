@@ -17,7 +17,7 @@ from transformers import AutoConfig
 from vllm_loraserve.adapters.peft import inspect_adapter
 from vllm_loraserve.paging.model import model_layout
 
-from .bad_adapters import EXPECTED_REASONS, build_bad_adapters
+from .bad_adapters import EXPECTED_REASONS, INF_WEIGHTS, build_bad_adapters, build_inf_weights
 from .reference import HFReference, Request, mismatches
 from .server import metric_samples, vllm_server
 
@@ -39,9 +39,16 @@ def victims(tiny_assets, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_assets, victims, tmp_path_factory):
+def runtime_root(tmp_path_factory):
+    """The server's --loraserve-allowed-root: runtime loads may read here."""
+    return tmp_path_factory.mktemp("runtime-root")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_assets, victims, tmp_path_factory, runtime_root):
     bad = tmp_path_factory.mktemp("bad")
     build_bad_adapters(tiny_assets, str(bad))
+    build_inf_weights(tiny_assets, str(bad))
     adapters = os.path.join(tiny_assets, "adapters")
     # One vLLM slot; 48 KV pages (47 usable) and a 16 MiB host tier hold a few
     # of the adapters at a time, so residency moves with use.
@@ -50,6 +57,7 @@ def server(tiny_assets, victims, tmp_path_factory):
             "--loraserve-host-cache-bytes", str(HOST_BYTES),
             "--loraserve-adapter-dir", adapters, "--loraserve-adapter-dir", str(bad),
             "--loraserve-adapter-dir", str(victims),
+            "--loraserve-allowed-root", str(runtime_root),
             "--lora-modules", f"static-ok={adapters}/adapter-001-r16",
             f"static-bad={bad}/rank-256"]
     with vllm_server(os.path.join(tiny_assets, "model"), args,
@@ -72,7 +80,8 @@ def _adapters(url):
 def test_models_lists_servable_adapters_only(server, tiny_assets):
     ids = {m["id"] for m in httpx.get(f"{server}/v1/models").json()["data"]}
     records = json.load(open(os.path.join(tiny_assets, "adapters.json")))
-    assert ids == {BASE, "static-ok", *VICTIMS, *(r["name"] for r in records)}
+    # INF_WEIGHTS passes the header checks: servable until its first request reads it
+    assert ids - {INF_WEIGHTS} == {BASE, "static-ok", *VICTIMS, *(r["name"] for r in records)}
 
 
 def test_adapter_listing_fields(server, tiny_assets):
@@ -165,18 +174,29 @@ def test_bad_adapter_gets_400_with_reason_and_others_keep_serving(server, name):
     assert _complete(server, BASE).status_code == 200
 
 
-def _read_failure(response, name):
+# Why an adapter broken on disk cannot be served: the engine's read failed,
+# or (directory adapters, broken before their first request) the frontend's
+# first-request read of the tensors (check_finite_weights) failed.
+ENGINE_READ = "its files could not be read"
+FIRST_CHECK_READ = "are unreadable"
+
+
+def _read_failure(response, name, reasons=(ENGINE_READ,)):
     message = response.json()["error"]["message"]
     return f"LoRA adapter '{name}' cannot be served" in message and \
-        "its files could not be read" in message
+        any(reason in message for reason in reasons)
 
 
 def test_adapters_broken_on_disk_after_their_checks_fail_alone(server, victims, tiny_assets,
-                                                                 tmp_path):
+                                                                 runtime_root):
     """Truncated or deleted after start-up (and, for a runtime load, after it
     left the host tier): an adapter's requests fail with a message naming it,
     the requests sent with them are answered exactly, the adapter is listed
-    invalid with the reason, and the engine keeps serving."""
+    invalid with the reason, and the engine keeps serving. (The directory
+    victims are broken before their first request, whose tensor check may
+    catch them before the engine does; the runtime load was checked at load,
+    so only the engine can find it broken.)"""
+    either = (ENGINE_READ, FIRST_CHECK_READ)
     weights = victims / "victim-truncated" / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
     shutil.rmtree(victims / "victim-deleted")
@@ -199,7 +219,8 @@ def test_adapters_broken_on_disk_after_their_checks_fail_alone(server, victims, 
 
     responses = asyncio.run(all_at_once())
     for r, name in zip(responses[len(good):], [*VICTIMS, *VICTIMS], strict=True):
-        assert r.status_code in (400, 500) and _read_failure(r, name), (r.status_code, r.text)
+        assert r.status_code in (400, 500) and _read_failure(r, name, either), \
+            (r.status_code, r.text)
     outs = []
     for r in responses[:len(good)]:
         assert r.status_code == 200, r.text
@@ -213,12 +234,12 @@ def test_adapters_broken_on_disk_after_their_checks_fail_alone(server, victims, 
     listed = _adapters(server)
     for name in VICTIMS:
         assert listed[name]["status"] == "invalid"
-        assert "its files could not be read" in listed[name]["error"]
+        assert any(reason in listed[name]["error"] for reason in either)
         r = _complete(server, name)
-        assert r.status_code == 400 and _read_failure(r, name)
+        assert r.status_code == 400 and _read_failure(r, name, either)
 
     # A runtime load is read into the host tier at once; deleted once it left.
-    late = tmp_path / "late"
+    late = runtime_root / "late"  # runtime loads read only under the adapter roots
     shutil.copytree(os.path.join(tiny_assets, "adapters", "adapter-005-r8"), late)
     r = httpx.post(f"{server}/v1/load_lora_adapter",
                    json={"lora_name": "late-deleted", "lora_path": str(late)})
@@ -247,13 +268,15 @@ def test_unknown_adapter_is_404(server):
     assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
 
 
-def test_runtime_load_checks_and_unload_frees(server, tiny_assets, tmp_path):
-    bad = tmp_path / "bad"
+def test_runtime_load_checks_and_unload_frees(server, tiny_assets, runtime_root):
+    bad = runtime_root / "bad"
     build_bad_adapters(tiny_assets, str(bad))
     r = httpx.post(f"{server}/v1/load_lora_adapter",
                    json={"lora_name": "late-bad", "lora_path": str(bad / "wrong-base")})
     assert r.status_code == 400 and "does not fit this base model" in r.json()["error"]["message"]
-    assert _complete(server, "late-bad").status_code == 400
+    # a refused runtime load leaves nothing behind: the name stays unknown
+    assert "late-bad" not in _adapters(server)
+    assert _complete(server, "late-bad").status_code == 404
 
     good = os.path.join(tiny_assets, "adapters", "adapter-003-r64")
     r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": good})
@@ -265,8 +288,111 @@ def test_runtime_load_checks_and_unload_frees(server, tiny_assets, tmp_path):
     assert r.status_code == 200, r.text
     assert "late" not in _adapters(server)
     assert _complete(server, "late").status_code == 404
-    r = httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "late-bad"})
-    assert r.status_code == 200 and "late-bad" not in _adapters(server)
+
+
+def test_failed_runtime_loads_do_not_accumulate(server, tiny_assets, runtime_root):
+    bad = runtime_root / "bad2"
+    build_bad_adapters(tiny_assets, str(bad))
+    before = _adapters(server)
+    for i, name in enumerate(sorted(EXPECTED_REASONS) * 3):
+        r = httpx.post(f"{server}/v1/load_lora_adapter",
+                       json={"lora_name": f"fail-{i}", "lora_path": str(bad / name)})
+        assert r.status_code == 400, r.text
+    assert _adapters(server).keys() == before.keys()
+
+
+def test_refused_duplicate_load_keeps_the_served_entry(server, tiny_assets):
+    adapters = os.path.join(tiny_assets, "adapters")
+    r = httpx.post(f"{server}/v1/load_lora_adapter", json={
+        "lora_name": "dup", "lora_path": f"{adapters}/adapter-003-r64"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{server}/v1/load_lora_adapter", json={
+        "lora_name": "dup", "lora_path": f"{adapters}/adapter-000-r8"})
+    assert r.status_code == 400 and "already been loaded" in r.text
+    entry = _adapters(server)["dup"]
+    assert (entry["rank"], entry["path"]) == (64, f"{adapters}/adapter-003-r64")
+    assert _complete(server, "dup").status_code == 200
+    httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "dup"})
+
+
+def test_load_outside_the_roots_is_403(server, tiny_assets, runtime_root, tmp_path):
+    outside = tmp_path / "outside"
+    shutil.copytree(os.path.join(tiny_assets, "adapters", "adapter-000-r8"), outside)
+    os.symlink(outside, runtime_root / "link-out")
+    for path in (str(outside), f"{runtime_root}/../{tmp_path.name}/outside",
+                 str(runtime_root / "link-out"), "/etc"):
+        r = httpx.post(f"{server}/v1/load_lora_adapter",
+                       json={"lora_name": "escape", "lora_path": path})
+        assert r.status_code == 403, (path, r.text)
+        assert "outside the adapter roots" in r.json()["error"]["message"]
+    assert "escape" not in _adapters(server)
+    shutil.copytree(outside, runtime_root / "inside")
+    r = httpx.post(f"{server}/v1/load_lora_adapter", json={
+        "lora_name": "inside", "lora_path": str(runtime_root / "inside")})
+    assert r.status_code == 200, r.text
+    assert _complete(server, "inside").status_code == 200
+    httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "inside"})
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("a/b", "invalid adapter name"), ("..", "invalid adapter name"),
+    ("../x", "invalid adapter name"), ("bad\nname", "invalid adapter name"),
+    ("x" * 10_000, "10000 characters"), (BASE, "name of a served base model"),
+])
+def test_unsafe_adapter_names_are_400(server, tiny_assets, name, reason):
+    good = os.path.join(tiny_assets, "adapters", "adapter-000-r8")
+    r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": good})
+    assert r.status_code == 400 and reason in r.json()["error"]["message"], r.text
+    assert name not in _adapters(server)
+    # base-model requests still go to the base model
+    assert _complete(server, BASE).status_code == 200
+
+
+def test_non_finite_adapters_are_400(server, tiny_assets, runtime_root):
+    """NaN alpha (header) and Inf weights (tensors): 400 at load or on first
+    request; the adapter listing keeps answering."""
+    nan_alpha = runtime_root / "nan"
+    build_bad_adapters(tiny_assets, str(nan_alpha))
+    r = httpx.post(f"{server}/v1/load_lora_adapter", json={
+        "lora_name": "nan-rt", "lora_path": str(nan_alpha / "nan-alpha")})
+    assert r.status_code == 400 and "finite number" in r.json()["error"]["message"]
+    inf = build_inf_weights(tiny_assets, str(runtime_root))
+    r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "inf-rt",
+                                                          "lora_path": inf})
+    assert r.status_code == 400 and "non-finite values" in r.json()["error"]["message"]
+    # the directory adapter: its first request reads the tensors
+    r = _complete(server, INF_WEIGHTS)
+    assert r.status_code == 400 and "non-finite values" in r.json()["error"]["message"]
+    assert _complete(server, INF_WEIGHTS).status_code == 400
+    listed = _adapters(server)
+    assert listed[INF_WEIGHTS]["status"] == "invalid"
+    assert listed["nan-alpha"]["status"] == "invalid"
+    assert INF_WEIGHTS not in {m["id"] for m in httpx.get(f"{server}/v1/models").json()["data"]}
+    assert _complete(server, "adapter-000-r8").status_code == 200
+
+
+def test_load_metrics_keep_the_name_after_unload(server, tiny_assets):
+    """Events drained after the unload still carry the adapter's name, and a
+    reload adds no new series."""
+    good = os.path.join(tiny_assets, "adapters", "adapter-002-r32")
+
+    def cycle():
+        r = httpx.post(f"{server}/v1/load_lora_adapter",
+                       json={"lora_name": "churn", "lora_path": good})
+        assert r.status_code == 200, r.text
+        assert _complete(server, "churn").status_code == 200
+        r = httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "churn"})
+        assert r.status_code == 200, r.text
+        return {labels: v for (name, labels), v in metric_samples(server).items()
+                if name == "loraserve_adapter_loads_total"}
+
+    first = cycle()
+    assert not [labels for labels in first if dict(labels)["adapter"].startswith("lora-id-")]
+    churn = {labels for labels in first if dict(labels)["adapter"] == "churn"}
+    assert churn, first
+    second = cycle()
+    assert second.keys() == first.keys()
+    assert sum(second[k] for k in churn) > sum(first[k] for k in churn)
 
 
 def _delta(after, before, name, **labels):
@@ -300,10 +426,11 @@ def test_per_adapter_metrics(server):
         assert _delta(after, before, "loraserve_adapter_generation_tokens_total",
                       adapter=model) == gen
     assert all("," not in dict(labels).get("adapter", "") for _, labels in after)
-    # The bad ones and static-bad, and any adapter broken on disk by an earlier test.
-    invalid = sum(a["status"] == "invalid" for a in _adapters(server).values())
-    assert after[("loraserve_adapters", (("state", "invalid"),))] == invalid >= \
-        len(EXPECTED_REASONS) + 1
+    # The bad ones and static-bad (+ inf-weights once read, + any adapter broken
+    # on disk by an earlier test).
+    invalid = [a for a in _adapters(server).values() if a["status"] == "invalid"]
+    assert len(invalid) >= len(EXPECTED_REASONS) + 1
+    assert after[("loraserve_adapters", (("state", "invalid"),))] == len(invalid)
     loads = {dict(labels)["adapter"] for name, labels in after
              if name == "loraserve_adapter_loads_total"}
     assert {a, b} <= loads

@@ -10,9 +10,9 @@ from vllm_loraserve.frontend import args as cli
 
 @pytest.fixture(scope="module")
 def serve_parser():
-    from vllm_loraserve.plugin import register
+    from vllm_loraserve.plugin import install
 
-    register()
+    install()
     from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -110,7 +110,7 @@ def test_register_on_unsupported_vllm(monkeypatch):
     plugin.register()  # logs, raises nothing
 
 
-def test_register_is_idempotent(serve_parser):
+def test_register_is_idempotent(serve_parser, monkeypatch):
     """vLLM may load general plugins more than once per process."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
@@ -118,6 +118,7 @@ def test_register_is_idempotent(serve_parser):
     from vllm_loraserve._patching import original
     from vllm_loraserve.plugin import register
 
+    monkeypatch.setattr("sys.argv", ["vllm", "serve", "m", "--plugin", "loraserve"])
     before = [EngineArgs.__dict__["from_cli_args"].__func__,
               LoRAModelRunnerMixin.__dict__["load_lora_model"]]
     register()

@@ -59,14 +59,52 @@ def test_residency_and_ids(tmp_path):
     assert [cat.entries[n].residency for n in "abc"] == ["gpu", "host", "disk"]
     assert cat.name_of(2) == "b" and cat.name_of(99) is None
     cat.forget("b")
-    assert cat.name_of(2) is None and "b" not in cat.entries
+    assert "b" not in cat.entries
 
 
-def test_reject_marks_invalid(tmp_path):
+def test_unloaded_ids_keep_their_name_boundedly(tmp_path, monkeypatch):
+    """Load events drained after an unload still name the adapter (not
+    `lora-id-N`), and the memory of retired ids is bounded."""
+    from vllm_loraserve.frontend import catalog as catalog_module
+
+    monkeypatch.setattr(catalog_module, "MAX_RETIRED_IDS", 3)
     cat, _ = _catalog()
-    asyncio.run(cat.admit("a", _adapter(tmp_path / "a"), "runtime"))
-    cat.reject("a", "vLLM said no")
-    assert cat.invalid_reason("a") == "vLLM said no" and cat.entries["a"].spec is None
+    path = _adapter(tmp_path / "a")
+    for lora_id in range(1, 6):  # load, unload, reload: a new id each time
+        asyncio.run(cat.admit("a", path, "runtime"))
+        cat.bind("a", lora_id)
+        cat.forget("a")
+    assert [cat.name_of(i) for i in range(1, 6)] == [None, None, "a", "a", "a"]
+
+
+def _nan_adapter(path):
+    w = {"model.layers.0.self_attn.q_proj": (torch.full((4, 8), float("nan")),
+                                              torch.ones(8, 4))}
+    write_adapter(str(path), w, rank=4, alpha=8, base_model="b")
+    return str(path)
+
+
+def test_non_finite_weights_are_refused(tmp_path):
+    cat, _ = _catalog()
+    entry = asyncio.run(cat.inspect("n", _nan_adapter(tmp_path / "n"), "runtime",
+                                    read_weights=True))
+    assert entry.spec is None and "non-finite values" in entry.error
+    assert "n" not in cat.entries  # inspect records nothing
+
+
+def test_directory_adapter_weights_are_read_on_first_use(tmp_path):
+    cat, _ = _catalog()
+    asyncio.run(cat.admit("n", _nan_adapter(tmp_path / "n"), "adapter-dir"))
+    asyncio.run(cat.admit("ok", _adapter(tmp_path / "ok"), "adapter-dir"))
+    assert cat.entries["n"].spec is not None  # header only so far
+
+    async def first_requests():
+        return await asyncio.gather(*(cat.check_weights(n) for n in ("n", "n", "ok")))
+
+    bad, again, ok = asyncio.run(first_requests())
+    assert "non-finite values" in bad and bad == again and ok is None
+    assert cat.entries["n"].spec is None and cat.invalid_reason("n") == bad
+    assert cat.entries["ok"].weights_checked
 
 
 def test_scan_lists_every_visible_subdirectory(tmp_path):

@@ -8,7 +8,8 @@ module `M` contributes `base_model.model.<M>.lora_A.weight` of shape
 `scaling * B @ A` with `scaling = alpha / r` (rsLoRA: `alpha / sqrt(r)`).
 
 `inspect_adapter` reads only the config and the safetensors header, so
-cataloguing thousands of adapters costs no tensor reads. `check_against_model`
+cataloguing thousands of adapters costs no tensor reads; `check_finite_weights`
+reads the tensors, once per adapter before its first use. `check_against_model`
 compares the result with what the served model accepts. Both raise or return
 messages written for the person who sent the adapter.
 """
@@ -92,8 +93,8 @@ def _check_config(cfg: dict[str, Any]) -> tuple[int, float, bool]:
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
         problems.append(f"'r' must be a positive integer, got {r!r}")
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        problems.append(f"'lora_alpha' must be a number, got {alpha!r}")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        problems.append(f"'lora_alpha' must be a finite number, got {alpha!r}")
     if cfg.get("use_dora"):
         problems.append("DoRA adapters (use_dora) are not supported by vLLM")
     if cfg.get("modules_to_save"):
@@ -139,6 +140,31 @@ def _tensor_shapes(path: str) -> tuple[dict[str, tuple[list[int], str]], int]:
         shapes = {k: (list(v.shape), str(v.dtype)) for k, v in state.items()}
         return shapes, sum(v.numel() * v.element_size() for v in state.values())
     raise AdapterError(f"no {SAFETENSORS_FILE} (or {BIN_FILE}) in {path}")
+
+
+def check_finite_weights(path: str) -> None:
+    """Raise AdapterError naming the first tensor that holds NaN or Inf.
+
+    Reads every tensor (unlike `inspect_adapter`): callers run it off the
+    event loop, once per adapter version."""
+    import torch
+
+    st_path = os.path.join(path, SAFETENSORS_FILE)
+    try:
+        if os.path.isfile(st_path):
+            from safetensors import safe_open
+
+            with safe_open(st_path, framework="pt") as f:
+                tensors = ((k, f.get_tensor(k)) for k in f.keys())
+                bad = next((k for k, t in tensors if not bool(torch.isfinite(t).all())), None)
+        else:
+            state = torch.load(os.path.join(path, BIN_FILE), map_location="cpu",
+                               weights_only=True, mmap=True)
+            bad = next((k for k, t in state.items() if not bool(torch.isfinite(t).all())), None)
+    except Exception as e:  # truncated or changed since inspect_adapter
+        raise AdapterError(f"the adapter weights in {path} are unreadable: {e}") from None
+    if bad is not None:
+        raise AdapterError(f"tensor {bad!r} holds non-finite values (NaN or Inf)")
 
 
 def inspect_adapter(path: str) -> AdapterSpec:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 
+from vllm_loraserve.cluster.launch import ADMIN_TOKEN_ENV  # imports no Ray
 from vllm_loraserve.cluster.placement import POLICIES, PlacementInput, check_assignment, get_policy
 from vllm_loraserve.perf.model import Profile, default_profile
 from vllm_loraserve.perf.operating import with_operating_points
@@ -50,14 +52,21 @@ def _spec(a: argparse.Namespace, **overrides):
                   health_interval_s=a.health_interval, restart_attempts=a.restart_attempts,
                   transport=a.transport, workdir=a.workdir,
                   serve_args=tuple(shlex.split(a.serve_args)), device=a.device,
-                  profile=a.profile)
+                  profile=a.profile,
+                  admin_token=a.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
+                  allowed_roots=tuple(os.path.abspath(r) for r in a.allowed_root or ()))
     return ClusterSpec(**{**fields, **overrides})
 
 
 def _up(a: argparse.Namespace) -> None:
-    from vllm_loraserve.cluster.launch import up
+    from vllm_loraserve.cluster.launch import check_exposure, up
 
-    up(_spec(a))
+    spec = _spec(a)
+    try:
+        check_exposure(spec)  # before Ray, engines or the router open any socket
+    except ValueError as e:
+        raise SystemExit(f"loraserve cluster up: {e}") from None
+    up(spec)
 
 
 def _demo(a: argparse.Namespace) -> None:
@@ -80,7 +89,14 @@ def _cluster_args(p: argparse.ArgumentParser, demo: bool) -> None:
                        help='extra `vllm serve` arguments, e.g. "--max-loras 8 --dtype half"')
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--policy", choices=sorted(POLICIES), default="loraserve")
-    p.add_argument("--host", default="127.0.0.1", help="the router's address")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the router's address; a non-loopback one needs an admin token")
+    p.add_argument("--admin-token", default=None,
+                   help=f"bearer token the router's /admin routes require (or set "
+                   f"{ADMIN_TOKEN_ENV}); required with a non-loopback --host")
+    p.add_argument("--allowed-root", action="append", default=None,
+                   help="directory POST /admin/adapters may read adapters from, besides "
+                   "--adapters (repeatable)")
     p.add_argument("--port", type=int, default=8000 if not demo else 0,
                    help="the router's port (0 picks a free one)")
     p.add_argument("--rebalance-s", type=float, default=30.0,

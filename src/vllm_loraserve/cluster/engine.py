@@ -51,9 +51,10 @@ class Engine:
         self._http = httpx.AsyncClient(timeout=60.0)
 
     def _command(self, port: int) -> list[str]:
+        # The router loads adapters from this engine's store only.
         return [vllm_executable(), "serve", self.spec.model, "--plugin", "loraserve",
                 "--enable-lora", "--host", "127.0.0.1", "--port", str(port),
-                *self.spec.serve_args]
+                "--loraserve-allowed-root", self.store.root, *self.spec.serve_args]
 
     async def start(self) -> dict:
         """Start the server (blocks until healthy) and the transport."""

@@ -4,7 +4,11 @@ OpenAI-compatible: `/v1/models`, `/v1/completions`, `/v1/chat/completions`
 (streaming too), proxied to the chosen engine; `/health`, `/metrics`. Admin:
 `/admin/status`, `/admin/adapters` (list, register, unregister),
 `/admin/placement` (read, override), `/admin/rebalance`,
-`/admin/engines/{i}/restart`.
+`/admin/engines/{i}/restart`; with an admin token, every admin route needs
+`Authorization: Bearer <token>` (401 otherwise). A registered adapter must
+have a safe name and lie under the router's adapter roots (403 otherwise);
+it is read and checked against the model (an engine's
+`/loraserve/v1/model`) in a thread before it is copied anywhere.
 
 A request that fails before its first byte (engine down) is retried once on
 another engine that holds the adapter; a failure after that ends the stream
@@ -16,19 +20,30 @@ response names its engine in `x-loraserve-engine`.
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from vllm_loraserve.adapters.peft import AdapterError, inspect_adapter
+from vllm_loraserve.adapters.peft import (
+    AdapterError,
+    ModelLoRAInfo,
+    check_against_model,
+    check_finite_weights,
+    inspect_adapter,
+)
+from vllm_loraserve.adapters.peft import (
+    AdapterSpec as PeftSpec,
+)
+from vllm_loraserve.adapters.safety import PathOutsideRoots, check_name, resolve_under_roots
 from vllm_loraserve.cluster.placement import check_assignment
 from vllm_loraserve.cluster.router import RouterCore
-from vllm_loraserve.cluster.store import check_name
 from vllm_loraserve.workloads.trace import AdapterSpec
 
 _RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
@@ -87,12 +102,58 @@ def _usage_tokens(payload: dict) -> int:
     return int(u.get("prompt_tokens", 0)) + int(u.get("completion_tokens", 0))
 
 
-def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float = 600.0
+class _Unauthorized(Exception):
+    pass
+
+
+def _read_adapter(path: str) -> PeftSpec:
+    """Header checks, then every tensor (NaN/Inf): blocking, run in a thread."""
+    spec = inspect_adapter(path)
+    check_finite_weights(spec.path)
+    return spec
+
+
+def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float = 600.0,
+              admin_token: str | None = None, adapter_roots: Collection[str] = ()
               ) -> FastAPI:
     """`register_source(name, path)` copies a newly registered adapter into the
-    adapter registry the engines fetch from. An engine silent for
-    `upstream_timeout_s` answers 504."""
+    adapter registry the engines fetch from (called in a thread). An engine
+    silent for `upstream_timeout_s` answers 504. `admin_token`: required as a
+    bearer token by every /admin route. `adapter_roots`: the directories
+    `POST /admin/adapters` may read from."""
     app = FastAPI(title="vllm-loraserve router")
+
+    async def require_token(request: Request) -> None:
+        if admin_token is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {admin_token}".encode()):
+            raise _Unauthorized()
+
+    @app.exception_handler(_Unauthorized)
+    async def unauthorized(request: Request, exc: _Unauthorized) -> JSONResponse:
+        r = _error(401, "the admin API needs `Authorization: Bearer <token>` with the "
+                   "router's admin token", "Unauthorized")
+        r.headers["www-authenticate"] = "Bearer"
+        return r
+
+    admin = APIRouter(dependencies=[Depends(require_token)])
+    model_info: list[ModelLoRAInfo] = []  # what engines accept, once known
+
+    async def engine_model_info() -> ModelLoRAInfo:
+        if not model_info:
+            for e in core.live():
+                try:
+                    r = await client.get(f"{core.engines[e].url}/loraserve/v1/model",
+                                         timeout=30.0)
+                    raw = r.raise_for_status().json()
+                    model_info.append(ModelLoRAInfo.from_wire(raw["shapes"], raw["max_rank"]))
+                    break
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    continue
+            else:
+                raise RuntimeError("no live engine told its model's LoRA shapes")
+        return model_info[0]
     # No pool limit: a queued request would wait for a free connection and fail
     # on the pool timeout, not for lack of an engine.
     client = httpx.AsyncClient(timeout=httpx.Timeout(upstream_timeout_s, connect=5.0),
@@ -215,11 +276,11 @@ def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float 
     async def chat(request: Request) -> Response:
         return await proxy("/v1/chat/completions", request)
 
-    @app.get("/admin/status")
+    @admin.get("/admin/status")
     async def status() -> dict:
         return core.status()
 
-    @app.get("/admin/adapters")
+    @admin.get("/admin/adapters")
     async def adapters() -> dict:
         demand = core.demand.estimate()
         return {"adapters": [{"name": a, "rank": r, "holders": sorted(core.holders.get(a, ())),
@@ -227,28 +288,40 @@ def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float 
                               "demand_tokens_per_s": demand.get(a, 0.0)}
                              for a, r in sorted(core.catalog.items())]}
 
-    @app.post("/admin/adapters")
+    @admin.post("/admin/adapters")
     async def register(request: Request) -> JSONResponse:
-        """Body: {"name", "path"}: a PEFT adapter directory the router can read."""
+        """Body: {"name", "path"}: a PEFT adapter directory under the adapter roots."""
         try:
             body = await request.json()
             name, path = body.get("name"), body.get("path")
         except (json.JSONDecodeError, AttributeError):
             name = path = None
-        if not name or not path:
+        if not name or not isinstance(path, str) or not path:
             return _error(400, "give `name` and `path` in a JSON object", "BadRequestError")
         try:
-            check_name(name)
+            check_name(name, reserved={core.base_model})
         except ValueError as e:
             return _error(400, str(e), "BadRequestError")
         if name in core.catalog:
             return _error(409, f"adapter `{name}` is already registered", "ConflictError")
         try:
-            spec = inspect_adapter(path)
-            if register_source is not None:
-                register_source(name, path)
-        except (AdapterError, ValueError) as e:
+            real = resolve_under_roots(path, adapter_roots)
+        except PathOutsideRoots as e:
+            return _error(403, str(e), "PermissionDenied")
+        try:
+            spec = await asyncio.to_thread(_read_adapter, real)
+            check_against_model(spec, await engine_model_info())
+        except AdapterError as e:
             return _error(400, f"adapter `{name}` cannot be served: {e}", "BadRequestError")
+        except RuntimeError as e:
+            return _error(503, f"adapter `{name}` cannot be checked now: {e}",
+                          "ServiceUnavailable")
+        if register_source is not None:
+            try:
+                await asyncio.to_thread(register_source, name, real)
+            except (OSError, ValueError) as e:
+                return _error(400, f"adapter `{name}` could not be copied: {e}",
+                              "BadRequestError")
         await core.register(name, spec.rank)
         if name in core.invalid:
             return _error(400, f"adapter `{name}` cannot be served: {core.invalid[name]}",
@@ -256,18 +329,18 @@ def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float 
         return JSONResponse({"name": name, "rank": spec.rank,
                              "holders": sorted(core.holders[name])})
 
-    @app.delete("/admin/adapters/{name}")
+    @admin.delete("/admin/adapters/{name}")
     async def unregister(name: str) -> JSONResponse:
         if name not in core.catalog:
             return _error(404, f"unknown adapter `{name}`", "NotFoundError")
         await core.unregister(name)
         return JSONResponse({"name": name, "unregistered": True})
 
-    @app.get("/admin/placement")
+    @admin.get("/admin/placement")
     async def placement() -> dict:
         return core.status()["placement"]
 
-    @app.put("/admin/placement")
+    @admin.put("/admin/placement")
     async def set_placement(request: Request) -> JSONResponse:
         """Body: adapter -> [[engine, phi], ...]; adapters not named keep theirs.
         The next periodic rebalance replaces it (run with --rebalance-s 0 to pin it)."""
@@ -288,11 +361,11 @@ def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float 
         added = await core.set_placement(assignment)
         return JSONResponse({"added_pairs": added})
 
-    @app.post("/admin/rebalance")
+    @admin.post("/admin/rebalance")
     async def rebalance() -> JSONResponse:
         return JSONResponse({"added_pairs": await core.rebalance()})
 
-    @app.post("/admin/engines/{index}/restart")
+    @admin.post("/admin/engines/{index}/restart")
     async def restart(index: int) -> JSONResponse:
         if index not in core.engines:
             return _error(404, f"no engine {index}", "NotFoundError")
@@ -302,5 +375,6 @@ def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float 
             return _error(502, f"engine {index} did not restart: {e}", "BadGateway")
         return JSONResponse(info)
 
+    app.include_router(admin)
     app.state.core = core
     return app

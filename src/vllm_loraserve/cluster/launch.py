@@ -21,12 +21,14 @@ import os
 import shutil
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_loraserve.cluster.engine import Engine, EngineSpec
+from vllm_loraserve.worker.rendezvous import _is_loopback
 
 logger = logging.getLogger(f"vllm.{__name__}")
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+ADMIN_TOKEN_ENV = "LORASERVE_ADMIN_TOKEN"
 NAMESPACE = "loraserve"
 SUPPORTED_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
 
@@ -48,10 +50,23 @@ class ClusterSpec:
     serve_args: tuple[str, ...] = ()  # extra `vllm serve` arguments for every engine
     device: str = "auto"  # "cpu", "cuda" or "auto"
     profile: str | None = None  # `loraserve profile` output; default: the built-in model
+    # Bearer token every /admin route requires; needed when `host` is not loopback.
+    admin_token: str | None = field(default=None, repr=False)
+    # Directories `POST /admin/adapters` may read from, besides `adapters`.
+    allowed_roots: tuple[str, ...] = ()
 
     @property
     def base_model(self) -> str:
         return self.served_model_name or self.model
+
+
+def check_exposure(spec: ClusterSpec) -> None:
+    """Refuse to expose the router beyond loopback without an admin token:
+    its /admin routes copy files, load adapters and restart engines."""
+    if not _is_loopback(spec.host) and not spec.admin_token:
+        raise ValueError(
+            f"refusing to serve the router on --host {spec.host}, which is not a loopback "
+            f"address, without an admin token: pass --admin-token or set {ADMIN_TOKEN_ENV}")
 
 
 def start_ray(num_cpus: int) -> None:
@@ -145,7 +160,9 @@ class RouterActor:
         await self.core.start()
         self.core.invalid.update(invalid)
         registry_store = AdapterStore(registry)
-        app = build_app(self.core, register_source=registry_store.copy_in)
+        app = build_app(self.core, register_source=registry_store.copy_in,
+                        admin_token=spec.admin_token,
+                        adapter_roots=[spec.adapters, *spec.allowed_roots])
         self.server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port,
                                                     log_level="warning", lifespan="off"))
         self.serve_task = asyncio.create_task(self.server.serve())
@@ -196,6 +213,7 @@ class Cluster:
         from vllm_loraserve.cluster.sources import LocalDirSource
 
         spec = self.spec
+        check_exposure(spec)  # before any socket: Ray, engines, the router
         workdir = os.path.abspath(spec.workdir)
         registry = os.path.join(workdir, "registry")
         os.makedirs(registry, exist_ok=True)

@@ -2,25 +2,18 @@
 directories under one root (LoRAServe's per-engine share of the distributed
 adapter pool). vLLM loads from here; peers fetch from here.
 
-Invariant: a name is a plain directory name (no separators), so a name from
-the network can never address a path outside the root.
+Invariant: a name is a plain directory name (no separators, adapters/safety.py),
+so a name from the network can never address a path outside the root.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import re
 import shutil
 import tarfile
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
-
-
-def check_name(name: str) -> str:
-    if not _NAME.match(name) or name in (".", ".."):
-        raise ValueError(f"invalid adapter name {name!r}")
-    return name
+from vllm_loraserve.adapters.safety import check_name
 
 
 class AdapterStore:

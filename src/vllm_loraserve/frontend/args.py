@@ -98,10 +98,13 @@ def activate(engine_args: Any) -> None:
     cfg = LoraServeConfig.from_dict(engine_args.additional_config[ADDITIONAL_CONFIG_KEY])
     if not engine_args.enable_lora:
         raise ValueError("vllm-loraserve serves LoRA adapters: add --enable-lora")
-    missing = [d for d in cfg.adapter_dirs if not os.path.isdir(d)]
-    if missing:
-        raise ValueError(f"--loraserve-adapter-dir: not a directory: {missing}")
+    for flag, dirs in (("--loraserve-adapter-dir", cfg.adapter_dirs),
+                       ("--loraserve-allowed-root", cfg.allowed_roots)):
+        missing = [d for d in dirs if not os.path.isdir(d)]
+        if missing:
+            raise ValueError(f"{flag}: not a directory: {missing}")
     cfg.adapter_dirs = [os.path.abspath(d) for d in cfg.adapter_dirs]
+    cfg.allowed_roots = [os.path.abspath(d) for d in cfg.allowed_roots]
     ext = engine_args.worker_extension_cls
     if ext and ext != WORKER_EXTENSION:
         raise ValueError(

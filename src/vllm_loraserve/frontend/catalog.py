@@ -4,15 +4,20 @@ Adapters come from `--lora-modules`, `--loraserve-adapter-dir` and runtime
 `/v1/load_lora_adapter` calls. Each is inspected (config and safetensors
 header only) and checked against the served model *before* its name becomes
 routable: vLLM reads adapters inside the engine step, where a bad one takes
-the whole engine down. Invalid adapters stay in the catalogue with the reason,
-so requests naming them get a 4xx that says what is wrong.
+the whole engine down. Its tensors are read once for NaN/Inf: at a runtime or
+`--lora-modules` load, or on the first request for a directory adapter.
+Invalid configured adapters stay in the catalogue with the reason, so
+requests naming them get a 4xx that says what is wrong; a refused runtime
+load only gets its 4xx.
 
 Invariant: an entry has exactly one of `spec` (servable) and `error`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,10 +27,15 @@ from vllm_loraserve.adapters.peft import (
     AdapterSpec,
     ModelLoRAInfo,
     check_against_model,
+    check_finite_weights,
     inspect_adapter,
 )
+from vllm_loraserve.worker.residency import MAX_BUFFERED_EVENTS
 
 RESIDENCIES = ("disk", "host", "gpu")
+# A worker buffers at most this many load events, so no older id can still
+# have events to name.
+MAX_RETIRED_IDS = MAX_BUFFERED_EVENTS
 
 
 @dataclass
@@ -38,6 +48,7 @@ class AdapterEntry:
     lora_int_id: int | None = None
     residency: str = "disk"
     pages: int | None = None  # pages held in the paged pool, when resident there
+    weights_checked: bool = False  # tensors read for NaN/Inf (check_finite_weights)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "path": self.path, "source": self.source}
@@ -71,36 +82,80 @@ def scan_adapter_dir(root: str) -> list[tuple[str, str]]:
 
 
 class AdapterCatalog:
+    """Invariant: `entries` holds what the operator configured (valid or not)
+    and what runtime loads made servable; a refused runtime load is answered
+    with its reason and leaves no entry (so nothing grows with bad requests)."""
+
     def __init__(self, fetch_model_info: Callable[[], Awaitable[ModelLoRAInfo]]) -> None:
         self._fetch_model_info = fetch_model_info
         self._model_info: ModelLoRAInfo | None = None
         self.entries: dict[str, AdapterEntry] = {}
         self._names_by_id: dict[int, str] = {}
+        # Ids of unloaded adapters: their load events may still be in a
+        # worker's buffer, and their metrics keep the adapter's name.
+        self._retired: OrderedDict[int, str] = OrderedDict()
+        self._weight_checks: dict[str, asyncio.Future[None]] = {}
 
     async def model_info(self) -> ModelLoRAInfo:
         if self._model_info is None:
             self._model_info = await self._fetch_model_info()
         return self._model_info
 
-    async def admit(self, name: str, path: str, source: str) -> AdapterEntry:
-        """Inspect and check an adapter; record and return its entry.
-
-        A refused replacement of a servable adapter is returned but not
-        recorded: the version being served stays catalogued."""
+    async def inspect(self, name: str, path: str, source: str,
+                      read_weights: bool = False) -> AdapterEntry:
+        """Inspect and check an adapter against the model; nothing is recorded.
+        `read_weights`: also read every tensor for NaN/Inf (in a thread)."""
         entry = AdapterEntry(name=name, path=os.path.abspath(path), source=source)
         try:
             spec = inspect_adapter(path)
             check_against_model(spec, await self.model_info())
+            if read_weights:
+                await asyncio.to_thread(check_finite_weights, spec.path)
+                entry.weights_checked = True
             entry.spec = spec
         except AdapterError as e:
             entry.error = str(e)
-        previous = self.entries.get(name)
-        if entry.error is not None and previous is not None and previous.spec is not None:
-            return entry
-        self.entries[name] = entry
-        if previous is not None and previous.lora_int_id is not None:
-            self.bind(name, previous.lora_int_id)
         return entry
+
+    def record(self, entry: AdapterEntry) -> None:
+        """Make `entry` the catalogue's version of its name, unless it is an
+        invalid replacement of a servable one (then the served one stays)."""
+        previous = self.entries.get(entry.name)
+        if entry.error is not None and previous is not None and previous.spec is not None:
+            return
+        self.entries[entry.name] = entry
+        self._weight_checks.pop(entry.name, None)
+        if previous is not None and previous.lora_int_id is not None:
+            self.bind(entry.name, previous.lora_int_id)
+
+    async def admit(self, name: str, path: str, source: str,
+                    read_weights: bool = False) -> AdapterEntry:
+        """`inspect`, then `record` (invalid entries too, with the reason)."""
+        entry = await self.inspect(name, path, source, read_weights)
+        self.record(entry)
+        return entry
+
+    async def check_weights(self, name: str) -> str | None:
+        """Why `name` cannot be served, reading its tensors on first use if
+        that was not done at admission (adapter directories); None if it can."""
+        entry = self.entries.get(name)
+        if entry is None or entry.spec is None or entry.weights_checked:
+            return None if entry is None else entry.error
+        check = self._weight_checks.get(name)
+        if check is None:  # one read per adapter version, shared by concurrent requests
+            check = asyncio.ensure_future(asyncio.to_thread(check_finite_weights,
+                                                            entry.spec.path))
+            self._weight_checks[name] = check
+        try:
+            await asyncio.shield(check)
+        except AdapterError as e:
+            if self.entries.get(name) is entry:
+                entry.spec, entry.error = None, str(e)
+        finally:
+            if self.entries.get(name) is entry and check.done():
+                entry.weights_checked = True
+                self._weight_checks.pop(name, None)
+        return entry.error
 
     def bind(self, name: str, lora_int_id: int) -> None:
         """Record the engine-side id vLLM's frontend gave this adapter."""
@@ -108,7 +163,8 @@ class AdapterCatalog:
         self._names_by_id[lora_int_id] = name
 
     def reject(self, name: str, reason: str) -> None:
-        """Mark an admitted adapter invalid (vLLM itself refused to load it)."""
+        """Mark an admitted adapter invalid (the engine could not serve it:
+        its files could not be read after the checks)."""
         entry = self.entries[name]
         entry.spec, entry.error = None, reason
 
@@ -118,8 +174,12 @@ class AdapterCatalog:
 
     def forget(self, name: str) -> AdapterEntry | None:
         entry = self.entries.pop(name, None)
+        self._weight_checks.pop(name, None)
         if entry is not None and entry.lora_int_id is not None:
             self._names_by_id.pop(entry.lora_int_id, None)
+            self._retired[entry.lora_int_id] = name
+            while len(self._retired) > MAX_RETIRED_IDS:
+                self._retired.popitem(last=False)
         return entry
 
     def update_residency(self, gpu_ids: list[int], host_ids: list[int],
@@ -132,7 +192,8 @@ class AdapterCatalog:
             entry.pages = pages.get(i) if i in gpu else None
 
     def name_of(self, lora_int_id: int) -> str | None:
-        return self._names_by_id.get(lora_int_id)
+        """The adapter name of an engine-side id, also after its unload."""
+        return self._names_by_id.get(lora_int_id) or self._retired.get(lora_int_id)
 
     def counts(self) -> dict[str, int]:
         """Adapters per residency tier, plus invalid ones."""

@@ -4,12 +4,20 @@ _check_model`, vllm/entrypoints/serve/engine/serving.py).
 
 With the plugin active:
 - every adapter is inspected and checked against the model before vLLM sees
-  it (`AdapterCatalog.admit`); a bad one is refused with HTTP 400 and a reason
-  instead of failing start-up (static `--lora-modules`) or the engine step;
+  it (`AdapterCatalog.inspect`); a bad one is refused with HTTP 400 and a
+  reason instead of failing start-up (static `--lora-modules`) or the engine
+  step; its tensors are read once for NaN/Inf (directory adapters: on their
+  first request);
+- names must be safe identifiers and not a served model's name (400), and a
+  runtime `/v1/load_lora_adapter` path must lie inside the adapter roots
+  (`--loraserve-adapter-dir`, `--loraserve-allowed-root`), else 403
+  (adapters/safety.py);
 - `--loraserve-adapter-dir` adapters are registered by name without loading:
   the worker reads each from disk on its first request;
 - requests naming an invalid adapter get HTTP 400 with the reason; unknown
   names keep vLLM's 404;
+- a duplicate load vLLM refuses, or a refused runtime load, leaves the
+  catalogue as it was;
 - an adapter the engine could not serve after all (its files changed on
   disk after the checks) is marked invalid with the engine's reason when its
   first request fails (`note_engine_failure`), and that request's error
@@ -28,6 +36,7 @@ from typing import Any
 
 from vllm_loraserve._patching import wrap
 from vllm_loraserve.adapters.peft import ModelLoRAInfo
+from vllm_loraserve.adapters.safety import PathOutsideRoots, check_name, resolve_under_roots
 from vllm_loraserve.config import from_vllm_config
 from vllm_loraserve.frontend.catalog import AdapterCatalog, scan_adapter_dir
 
@@ -50,15 +59,19 @@ def _bad_adapter_message(name: str, reason: str) -> str:
     return f"LoRA adapter '{name}' cannot be served: {reason}"
 
 
-def _bad_adapter(name: str, reason: str) -> Any:
+def _error(message: str, err_type: str, status: HTTPStatus, param: str = "model") -> Any:
     from vllm.entrypoints.serve.utils.error_response import create_error_response
 
-    return create_error_response(
-        message=_bad_adapter_message(name, reason),
-        err_type="BadRequestError",
-        status_code=HTTPStatus.BAD_REQUEST,
-        param="model",
-    )
+    return create_error_response(message=message, err_type=err_type, status_code=status,
+                                 param=param)
+
+
+def _bad_adapter(name: str, reason: str) -> Any:
+    return _error(_bad_adapter_message(name, reason), "BadRequestError", HTTPStatus.BAD_REQUEST)
+
+
+def _reserved_names(models: Any) -> set[str]:
+    return {p.name for p in models.base_model_paths}
 
 
 def _make_catalog(models: Any) -> AdapterCatalog:
@@ -97,16 +110,38 @@ def _make_load_lora_adapter(load_lora_adapter):
 
         catalog = catalog_of(self)
         name = request.lora_name
-        if catalog is None or not name or not request.lora_path:
+        if catalog is None or not request.lora_path:
             return await load_lora_adapter(self, request, base_model_name)
-        entry = await catalog.admit(name, request.lora_path, loraserve_source)
+        try:
+            check_name(name, _reserved_names(self))
+        except ValueError as e:
+            return _error(f"LoRA adapter refused: {e}", "BadRequestError",
+                          HTTPStatus.BAD_REQUEST, "lora_name")
+        if loraserve_source == "runtime":
+            # Paths from the network: only inside the configured roots.
+            cfg = from_vllm_config(self.engine_client.vllm_config)
+            try:
+                resolve_under_roots(request.lora_path, [*cfg.adapter_dirs, *cfg.allowed_roots])
+            except PathOutsideRoots as e:
+                return _error(f"LoRA adapter '{name}' refused: {e}", "PermissionDenied",
+                              HTTPStatus.FORBIDDEN, "lora_path")
+        if name in self.lora_requests and not request.load_inplace:
+            # vLLM refuses the duplicate; the served version's entry stays as it is.
+            return await load_lora_adapter(self, request, base_model_name)
+        entry = await catalog.inspect(name, request.lora_path, loraserve_source,
+                                      read_weights=True)
+        keep_invalid = loraserve_source != "runtime"  # configured ones stay listed
         if entry.error is not None:
+            if keep_invalid:
+                catalog.record(entry)
             return _bad_adapter(name, entry.error)
         result = await load_lora_adapter(self, request, base_model_name)
         if isinstance(result, ErrorResponse):
-            if name not in self.lora_requests:  # keep a previously served version
-                catalog.reject(name, result.error.message)
+            if keep_invalid and name not in self.lora_requests:
+                entry.spec, entry.error = None, result.error.message
+                catalog.record(entry)
             return _bad_adapter(name, result.error.message)
+        catalog.record(entry)
         catalog.bind(name, self.lora_requests[name].lora_int_id)
         return result
 
@@ -131,8 +166,14 @@ def _make_init_static_loras(init_static_loras):
                                                   loraserve_source="lora-modules")
             if isinstance(result, ErrorResponse):
                 logger.error("%s (other adapters keep serving)", result.error.message)
+        reserved = _reserved_names(self)
         for root in cfg.adapter_dirs:
             for name, path in scan_adapter_dir(root):
+                try:
+                    check_name(name, reserved)
+                except ValueError as e:
+                    logger.error("%s in %s is not served: %s", path, root, e)
+                    continue
                 if name in catalog.entries:
                     logger.warning("adapter name '%s' in %s is already taken by %s; skipped",
                                    name, root, catalog.entries[name].path)
@@ -179,8 +220,17 @@ def _make_check_model(check_model):
         name = getattr(request, "model", None)
         if catalog is not None and name:
             _REQUEST_MODEL.set(name)
-            reason = catalog.invalid_reason(name)
+        if catalog is not None and name in catalog.entries:
+            failed_before = catalog.invalid_reason(name) is not None
+            reason = await catalog.check_weights(name)
             if reason is not None:
+                # Only an adapter the engine never loaded can fail its check
+                # here (a directory adapter on its first request): vLLM
+                # forgets it too. One the engine failed (`note_engine_failure`)
+                # stays registered, so unloading it also clears the worker.
+                if not failed_before and self.models.lora_requests.get(name) is not None and \
+                        catalog.entries[name].source == "adapter-dir":
+                    del self.models.lora_requests[name]
                 return _bad_adapter(name, reason)
         return await check_model(self, request)
 

@@ -1,0 +1,48 @@
+"""Adapter names and paths from the network (adapters/safety.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vllm_loraserve.adapters.safety import PathOutsideRoots, check_name, resolve_under_roots
+
+
+@pytest.mark.parametrize("name", ["a", "adapter-004-r128", "A.b_c-1", "x" * 200])
+def test_safe_names(name):
+    assert check_name(name, reserved={"tiny"}) == name
+
+
+@pytest.mark.parametrize("name, message", [
+    ("a/b", "invalid adapter name"),
+    ("..", "invalid adapter name"),
+    ("../etc", "invalid adapter name"),
+    ("a\\b", "invalid adapter name"),
+    ("bad\nname", "invalid adapter name"),
+    ("tab\tname", "invalid adapter name"),
+    ("x" * 201, "201 characters: at most 200"),
+    ("x" * 10_000, "10000 characters"),
+    ("", "non-empty string"),
+    (None, "non-empty string"),
+    ("tiny", "name of a served base model"),
+])
+def test_unsafe_names(name, message):
+    with pytest.raises(ValueError, match=message):
+        check_name(name, reserved={"tiny"})
+
+
+def test_paths_under_roots(tmp_path):
+    root, other = tmp_path / "root", tmp_path / "other"
+    (root / "a").mkdir(parents=True)
+    (other / "b").mkdir(parents=True)
+    os.symlink(other / "b", root / "link")
+    os.symlink(root / "a", other / "inward")
+    assert resolve_under_roots(str(root / "a"), [str(root)]) == str(root / "a")
+    # a symlink from outside into a root resolves inside it: allowed
+    assert resolve_under_roots(str(other / "inward"), [str(root)]) == str(root / "a")
+    for path in (other / "b", root / ".." / "other" / "b", root / "link", tmp_path / "rootx"):
+        with pytest.raises(PathOutsideRoots, match="outside the adapter roots"):
+            resolve_under_roots(str(path), [str(root)])
+    with pytest.raises(PathOutsideRoots, match="no adapter root is configured"):
+        resolve_under_roots(str(root / "a"), [])
