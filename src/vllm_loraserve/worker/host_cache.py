@@ -3,10 +3,8 @@
 Each entry is one adapter's page streams for every layer ([layers, pages *
 page_size], paging/layout.py), pinned when a CUDA device will copy from it,
 so a device load is one page copy per layer and never touches the disk.
-Entries are evicted to stay within a byte budget, least recently used first
-among the adapters the caller names as expendable (the pool names those
-resident on the GPU: they have a copy there), then among the rest; an
-evicted adapter is read from disk again when it is next needed.
+Entries are evicted least recently used first to stay within a byte budget;
+an evicted adapter is read from disk again when it is next needed.
 
 Invariant: `bytes_used` == sum of the entries' sizes <= `budget`, except
 that a single entry larger than the budget is still admitted (alone), so
@@ -16,7 +14,6 @@ any adapter can be served.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -53,18 +50,13 @@ class HostCache:
             self._entries.move_to_end(lora_id)
         return entry
 
-    def put(self, lora_id: int, entry: HostAdapter,
-            expendable: Collection[int] = ()) -> list[int]:
-        """Insert (or replace) an entry; returns the ids evicted for room,
-        those in `expendable` first."""
+    def put(self, lora_id: int, entry: HostAdapter) -> list[int]:
+        """Insert (or replace) an entry; returns the ids evicted for room."""
         self.pop(lora_id)
         evicted = []
-        order = [i for i in self._entries if i in expendable]
-        order += [i for i in self._entries if i not in expendable]
-        for old in order:
-            if self.bytes_used + entry.nbytes <= self.budget:
-                break
-            self.pop(old)
+        while self._entries and self.bytes_used + entry.nbytes > self.budget:
+            old, dropped = self._entries.popitem(last=False)
+            self.bytes_used -= dropped.nbytes
             evicted.append(old)
         self._entries[lora_id] = entry
         self.bytes_used += entry.nbytes

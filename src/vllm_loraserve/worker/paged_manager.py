@@ -205,9 +205,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             self._fail(lora_request, e)
             raise
         with self._lock:
-            # Host copies of GPU-resident adapters go first: a read for a
-            # waiting request must not push out one read for another.
-            self.host.put(lora_request.lora_int_id, entry, frozenset(self.pool.slot_of))
+            self.host.put(lora_request.lora_int_id, entry)
             self.failed.pop(lora_request.lora_int_id, None)
             self._fresh.add(lora_request.lora_int_id)
         self._record(lora_request.lora_int_id, "host", time.perf_counter() - t0)
