@@ -189,8 +189,8 @@ def _read_failure(response, name, reasons=(ENGINE_READ,)):
 
 def test_adapters_broken_on_disk_after_their_checks_fail_alone(server, victims, tiny_assets,
                                                                  runtime_root):
-    """Truncated or deleted after start-up (and, for a runtime load, after it
-    left the host tier): an adapter's requests fail with a message naming it,
+    """Truncated, deleted or made unreadable after start-up (a runtime load,
+    after it left the host tier): an adapter's requests fail with a message naming it,
     the requests sent with them are answered exactly, the adapter is listed
     invalid with the reason, and the engine keeps serving. (The directory
     victims are broken before their first request, whose tensor check may
@@ -238,19 +238,28 @@ def test_adapters_broken_on_disk_after_their_checks_fail_alone(server, victims, 
         r = _complete(server, name)
         assert r.status_code == 400 and _read_failure(r, name, either)
 
-    # A runtime load is read into the host tier at once; deleted once it left.
-    late = runtime_root / "late"  # runtime loads read only under the adapter roots
-    shutil.copytree(os.path.join(tiny_assets, "adapters", "adapter-005-r8"), late)
-    r = httpx.post(f"{server}/v1/load_lora_adapter",
-                   json={"lora_name": "late-deleted", "lora_path": str(late)})
-    assert r.status_code == 200, r.text
+    # Runtime loads are read into the host tier at once; broken once they left it.
+    def unreadable(path):  # the weights file is now a directory
+        weights = path / "adapter_model.safetensors"
+        weights.unlink()
+        weights.mkdir()
+
+    breakers = {"late-deleted": shutil.rmtree, "late-unreadable": unreadable}
+    for name in breakers:
+        late = runtime_root / name  # runtime loads read only under the adapter roots
+        shutil.copytree(os.path.join(tiny_assets, "adapters", "adapter-005-r8"), late)
+        r = httpx.post(f"{server}/v1/load_lora_adapter",
+                       json={"lora_name": name, "lora_path": str(late)})
+        assert r.status_code == 200, r.text
     for other in ("adapter-004-r128", "adapter-003-r64", "adapter-002-r32", "adapter-000-r8",
                   "adapter-001-r16"):
         assert _complete(server, other).status_code == 200
-    assert _adapters(server)["late-deleted"]["residency"] == "disk"
-    shutil.rmtree(late)
-    r = _complete(server, "late-deleted")
-    assert r.status_code in (400, 500) and _read_failure(r, "late-deleted"), r.text
+    listed = _adapters(server)
+    for name, brk in breakers.items():
+        assert listed[name]["residency"] == "disk"
+        brk(runtime_root / name)
+        r = _complete(server, name)
+        assert r.status_code in (400, 500) and _read_failure(r, name), r.text
     assert _complete(server, "adapter-001-r16").status_code == 200
     assert _complete(server, BASE).status_code == 200
     # Unloading the broken adapter clears its failure; its name can be reused.
