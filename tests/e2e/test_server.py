@@ -258,8 +258,19 @@ def test_adapters_broken_on_disk_after_their_checks_fail_alone(server, victims, 
     for name, brk in breakers.items():
         assert listed[name]["residency"] == "disk"
         brk(runtime_root / name)
-        r = _complete(server, name)
-        assert r.status_code in (400, 500) and _read_failure(r, name), r.text
+    r = _complete(server, "late-deleted")
+    assert r.status_code in (400, 500) and _read_failure(r, "late-deleted"), r.text
+    # Streamed: the error event names the adapter too (a finish reason
+    # "error" before the first token alone would end the stream empty).
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+        "model": "late-unreadable", "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 4, "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert r.status_code == 200 and events and "error" in events[-1], r.text
+    message = events[-1]["error"]["message"]
+    assert "LoRA adapter 'late-unreadable' cannot be served" in message
+    assert ENGINE_READ in message, message
     assert _complete(server, "adapter-001-r16").status_code == 200
     assert _complete(server, BASE).status_code == 200
     # Unloading the broken adapter clears its failure; its name can be reused.

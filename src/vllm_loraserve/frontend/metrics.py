@@ -130,7 +130,7 @@ def _make_update_from_output(update):
         # with FINISHED_ERROR and the reason as its stop_reason.
         if engine_core_output.finish_reason == FinishReason.ERROR and req_state.lora_name \
                 and isinstance(engine_core_output.stop_reason, str):
-            note_engine_failure(req_state.lora_name, engine_core_output.stop_reason)
+            note_engine_failure(req_state, engine_core_output.stop_reason)
         if iteration_stats is not None:
             tally = _tally(iteration_stats, req_state.lora_name)
             if req_state.is_prefilling:

@@ -20,15 +20,14 @@ With the plugin active:
   catalogue as it was;
 - an adapter the engine could not serve after all (its files changed on
   disk after the checks) is marked invalid with the engine's reason when its
-  first request fails (`note_engine_failure`), and that request's error
-  names it (`_raise_if_error`);
+  first request fails, and that request's error names it
+  (`note_engine_failure`);
 - `/v1/unload_lora_adapter` also frees the worker's copy (vLLM alone only
   forgets the name).
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import weakref
 from http import HTTPStatus
@@ -45,10 +44,6 @@ logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
 CATALOG_ATTR = "_loraserve_catalog"
 # This API-server process's catalogues (one per served model registry).
 _CATALOGS: weakref.WeakSet[AdapterCatalog] = weakref.WeakSet()
-# The model the current request named (set by the model check, read when
-# its generation fails).
-_REQUEST_MODEL: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "loraserve_request_model", default=None)
 
 
 def catalog_of(models: Any) -> AdapterCatalog | None:
@@ -86,22 +81,24 @@ def _make_catalog(models: Any) -> AdapterCatalog:
     return catalog
 
 
-def note_engine_failure(name: str, reason: str) -> None:
-    """The engine failed a request because adapter `name` cannot be served:
-    mark it invalid here too, so its next requests get HTTP 400 at once."""
+def note_engine_failure(req_state: Any, reason: str) -> None:
+    """The engine failed this request (an output processor `RequestState`)
+    because its adapter cannot be served. Mark the adapter invalid here too,
+    so its next requests get HTTP 400 at once, and end the request with that
+    error: a client error passes through vLLM's `generate` to the serving
+    layer, streamed or not, where a finish reason "error" before the first
+    token would be skipped (streamed) or say only "Internal server error"."""
+    from vllm.exceptions import VLLMValidationError
+
+    name = req_state.lora_name
     for catalog in _CATALOGS:
         entry = catalog.entries.get(name)
         if entry is not None and entry.spec is not None:
             logger.error("%s (other adapters keep serving)", _bad_adapter_message(name, reason))
             catalog.reject(name, reason)
-
-
-def _engine_failure(name: str | None) -> str | None:
-    for catalog in _CATALOGS:
-        reason = catalog.invalid_reason(name) if name else None
-        if reason is not None:
-            return reason
-    return None
+    if req_state.queue is not None:  # AsyncLLM; the offline LLM returns the output
+        req_state.queue.put(VLLMValidationError(_bad_adapter_message(name, reason),
+                                                parameter="model"))
 
 
 def _make_load_lora_adapter(load_lora_adapter):
@@ -218,8 +215,6 @@ def _make_check_model(check_model):
     async def patched(self, request):
         catalog = catalog_of(self.models)
         name = getattr(request, "model", None)
-        if catalog is not None and name:
-            _REQUEST_MODEL.set(name)
         if catalog is not None and name in catalog.entries:
             failed_before = catalog.invalid_reason(name) is not None
             reason = await catalog.check_weights(name)
@@ -237,24 +232,7 @@ def _make_check_model(check_model):
     return patched
 
 
-def _make_raise_if_error(raise_if_error):
-    def patched(self, finish_reason, request_id):
-        if finish_reason == "error":
-            name = _REQUEST_MODEL.get()
-            reason = _engine_failure(name)
-            if reason is not None:
-                from vllm.entrypoints.openai.engine.protocol import GenerationError
-
-                # Still a 500 (the server could not serve it); the adapter's
-                # next requests get 400 from the model check.
-                raise GenerationError(_bad_adapter_message(name, reason))
-        return raise_if_error(self, finish_reason, request_id)
-
-    return patched
-
-
 def install() -> None:
-    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
     from vllm.entrypoints.serve.engine.serving import BaseServing
 
@@ -262,4 +240,3 @@ def install() -> None:
     wrap(OpenAIServingModels, "init_static_loras", _make_init_static_loras)
     wrap(OpenAIServingModels, "unload_lora_adapter", _make_unload_lora_adapter)
     wrap(BaseServing, "_check_model", _make_check_model)
-    wrap(GenerateBaseServing, "_raise_if_error", _make_raise_if_error)

@@ -74,10 +74,27 @@ def page_elements(vllm_config: Any, kv_cache_config: Any) -> int:
 
 
 def pool_layout(vllm_config: Any, page_size: int) -> LayerLayout:
-    if vllm_config.parallel_config.tensor_parallel_size != 1:
-        raise ValueError("the loraserve pool supports tensor_parallel_size 1 for now "
-                         "(use --loraserve-pool vllm)")
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        # Pages and host-tier reports are per worker; only one worker's
+        # report reaches the scheduler.
+        raise ValueError("the loraserve pool supports tensor_parallel_size and "
+                         "pipeline_parallel_size 1 for now (use --loraserve-pool vllm)")
     return model_layout(vllm_config.model_config.hf_text_config, page_size)
+
+
+def take_out(queue: Any, requests: list[Any], policy: Any) -> Any:
+    """Remove `requests` (in queue order) from a vLLM request queue; returns
+    them as a queue that `queue.prepend_requests` puts back in that order
+    (it takes its argument back to front, as vLLM's own skipped queue is
+    built)."""
+    from vllm.v1.core.sched.request_queue import create_request_queue
+
+    queue.remove_requests(requests)
+    aside = create_request_queue(policy)
+    for request in requests:
+        aside.prepend_request(request)
+    return aside
 
 
 class PoolSchedulerMixin:
@@ -172,20 +189,17 @@ class PoolSchedulerMixin:
         """Take waiting requests whose adapter is not ready out of vLLM's
         queues for this step (vLLM stops at the first request it cannot
         admit; these must not block the ones behind them)."""
-        from vllm.v1.core.sched.request_queue import create_request_queue
-
         now, held = time.monotonic(), []
         for queue in (self.waiting, self.skipped_waiting):
             cold = [r for r in queue
-                    if r.lora_request is not None and not self._ready(r.lora_request.lora_int_id)]
+                    if r.lora_request is not None and (
+                        not self._ready(r.lora_request.lora_int_id)
+                        or r.request_id in self._adapter_failures)]
             if not cold:
                 continue
-            queue.remove_requests(cold)
-            aside = create_request_queue(self.policy)
             for request in cold:
-                aside.add_request(request)
                 self._held_since.setdefault(request.request_id, now)
-            held.append((queue, aside))
+            held.append((queue, take_out(queue, cold, self.policy)))
         return held
 
     def _prefetch_hints(self) -> list[Any]:
@@ -237,6 +251,13 @@ class PoolSchedulerMixin:
 
             # Before vLLM reads the step's tokens: a request whose adapter
             # could not be loaded ran without it, and those tokens are dropped.
+            # Their KV may have been computed without the adapter (a load that
+            # failed in the worker) but is hashed under its name: out of the
+            # prefix cache before the blocks are freed.
+            blocks = {b for rid in self._adapter_failures if rid in self.requests
+                      for group in self.kv_cache_manager.get_block_ids(rid) for b in group}
+            if blocks:
+                self.kv_cache_manager.evict_blocks(blocks)
             failed = self.finish_requests(list(self._adapter_failures),
                                           RequestStatus.FINISHED_ERROR)
         outputs = super().update_from_output(scheduler_output, model_runner_output)

@@ -95,6 +95,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         # finished read admits its requests at least once (no livelock when
         # the tier is smaller than the reads under way).
         self._fresh: set[int] = set()
+        # Bumped by each runtime add or remove: a read started before commits nothing.
+        self._generation: dict[int, int] = {}
         self._lock = threading.Lock()
         # Page loads whose adapter was already in the host tier (hits) or had
         # to be read, or waited for, inside the step (misses).
@@ -160,16 +162,17 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             self._events.append((lora_id, tier, seconds))
 
     def _host_adapter(self, lora_request: Any) -> tuple[HostAdapter, bool]:
-        """The adapter in page layout, and whether the host tier had it: from
-        the host tier, from a background read already under way, or read from
-        disk now."""
+        """For a step: the adapter in page layout, and whether the host tier
+        had it: from the host tier, from a background read already under way,
+        or read from disk now. (`load_inplace` stays set on every later request
+        of a reloaded adapter; only `add_adapter` acts on it.)"""
         lora_id = lora_request.lora_int_id
         with self._lock:
-            entry = None if lora_request.load_inplace else self.host.get(lora_id)
+            entry = self.host.get(lora_id)
             reading = self._reading.get(lora_id)
         if entry is not None:
             return entry, True
-        if reading is not None and not lora_request.load_inplace:
+        if reading is not None:
             return reading.result(), False
         return self._read(lora_request), False
 
@@ -184,31 +187,37 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
 
         def done(f: Any) -> None:
             with self._lock:
-                self._reading.pop(lora_id, None)
+                if self._reading.get(lora_id) is f:
+                    del self._reading[lora_id]
 
         future.add_done_callback(done)
 
-    def _fail(self, lora_request: Any, error: BaseException) -> None:
-        reason = f"its files could not be read: {type(error).__name__}: {error}"
-        logger.error("vllm-loraserve: adapter %s (id %d) %s", lora_request.lora_name,
-                     lora_request.lora_int_id, reason)
+    def _read(self, lora_request: Any, record_failure: bool = True) -> HostAdapter:
+        """Disk -> host tier: read and pack into page layout. A read that a
+        runtime add or remove of the same adapter overtook commits nothing."""
+        lora_id = lora_request.lora_int_id
         with self._lock:
-            self.failed[lora_request.lora_int_id] = reason
-
-    def _read(self, lora_request: Any) -> HostAdapter:
-        """Disk -> host tier: vLLM's loader, then packing into page layout."""
+            generation = self._generation.get(lora_id, 0)
         t0 = time.perf_counter()
         try:
             entry = self._pack(lora_request)
         except Exception as e:
             # Adapter files are input: whatever they raise fails this adapter only.
-            self._fail(lora_request, e)
+            reason = f"its files could not be read: {type(e).__name__}: {e}"
+            with self._lock:
+                current = self._generation.get(lora_id, 0) == generation
+                if record_failure and current:
+                    self.failed[lora_id] = reason
+            if record_failure and current:
+                logger.error("vllm-loraserve: adapter %s (id %d) %s", lora_request.lora_name,
+                             lora_id, reason)
             raise
         with self._lock:
-            self.host.put(lora_request.lora_int_id, entry)
-            self.failed.pop(lora_request.lora_int_id, None)
-            self._fresh.add(lora_request.lora_int_id)
-        self._record(lora_request.lora_int_id, "host", time.perf_counter() - t0)
+            if self._generation.get(lora_id, 0) == generation:
+                self.host.put(lora_id, entry)
+                self.failed.pop(lora_id, None)
+                self._fresh.add(lora_id)
+        self._record(lora_id, "host", time.perf_counter() - t0)
         return entry
 
     def _pack(self, lora_request: Any) -> HostAdapter:
@@ -271,8 +280,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                         f"{entry.placement.rank} in {entry.placement.num_pages} pages, "
                         f"planned rank {load.rank} in {len(load.page_ids)}")
             except Exception as e:
-                if lr.lora_int_id not in self.failed:
-                    self._fail(lr, e)
+                with self._lock:  # a failed read recorded it already
+                    self.failed.setdefault(lr.lora_int_id, f"{type(e).__name__}: {e}")
                 self.pool.evict(load.slot)  # its tokens run without LoRA this step
                 continue
             finally:
@@ -309,17 +318,23 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self._dummy_ids.clear()
 
     def add_adapter(self, adapter_request: Any) -> bool:
-        """Runtime add_lora: read the adapter into the host tier now (a
-        failure is the load's error, and forgets any earlier one)."""
-        with self._lock:
-            self.failed.pop(adapter_request.lora_int_id, None)
-        self._host_adapter(adapter_request)
+        """Runtime add_lora (first load or in-place reload): read the files
+        into the host tier now. A failure is this load's error only; reads of
+        an earlier version still under way commit nothing."""
+        self._new_generation(adapter_request.lora_int_id)
+        self._read(adapter_request, record_failure=False)
         return True
 
     def remove_adapter(self, adapter_id: int) -> bool:
+        self._new_generation(adapter_id)
         with self._lock:
-            self.failed.pop(adapter_id, None)
             return self.host.pop(adapter_id) is not None
+
+    def _new_generation(self, lora_id: int) -> None:
+        with self._lock:
+            self._generation[lora_id] = self._generation.get(lora_id, 0) + 1
+            self.failed.pop(lora_id, None)
+            self._reading.pop(lora_id, None)
 
     def pin_adapter(self, adapter_id: int) -> bool:
         raise ValueError("pinning adapters is not supported by the loraserve pool yet "
