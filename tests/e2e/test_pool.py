@@ -98,7 +98,8 @@ def test_page_pressure_evicts_idle_adapters_and_outputs_stay_exact(case, tmp_pat
     pool = run["residency"]["pool"]
     assert pool["total_pages"] == 60 and pool["adapter_pages"] <= 59
     assert pool["page_evictions"] > 0 and pool["page_loads"] >= 10
-    assert pool["host_bytes"] <= 4 << 20  # the host tier kept its budget
+    # The host tier kept its budget (an adapter larger than it is kept alone).
+    assert pool["host_bytes"] <= 4 << 20 or pool["host_adapters"] == 1
 
 
 def test_an_adapter_the_pool_cannot_serve_fails_alone(case, tiny_assets, tmp_path):
