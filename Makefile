@@ -30,5 +30,5 @@ cluster-demo: setup
 	$(BIN)/loraserve cluster demo
 
 test: setup
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests examples benchmarks
 	$(BIN)/python -m pytest
