@@ -142,6 +142,29 @@ def _tensor_shapes(path: str) -> tuple[dict[str, tuple[list[int], str]], int]:
     raise AdapterError(f"no {SAFETENSORS_FILE} (or {BIN_FILE}) in {path}")
 
 
+def _split_key(key: str) -> tuple[str, str]:
+    """A PEFT tensor key -> (module path without the PEFT prefix, kind)."""
+    stem = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
+    module, _, kind = stem.removesuffix(".weight").rpartition(".")
+    return module, kind
+
+
+def _read_tensors(path: str) -> dict[str, Any]:
+    """Every tensor of an adapter directory's weights file, on the CPU."""
+    import torch
+
+    st_path = os.path.join(path, SAFETENSORS_FILE)
+    try:
+        if os.path.isfile(st_path):
+            from safetensors.torch import load_file
+
+            return load_file(st_path)
+        return torch.load(os.path.join(path, BIN_FILE), map_location="cpu", weights_only=True,
+                          mmap=True)
+    except Exception as e:  # the libraries raise their own error types
+        raise AdapterError(f"the adapter weights in {path} are unreadable: {e}") from None
+
+
 def check_finite_weights(path: str) -> None:
     """Raise AdapterError naming the first tensor that holds NaN or Inf.
 
@@ -149,20 +172,8 @@ def check_finite_weights(path: str) -> None:
     event loop, once per adapter version."""
     import torch
 
-    st_path = os.path.join(path, SAFETENSORS_FILE)
-    try:
-        if os.path.isfile(st_path):
-            from safetensors import safe_open
-
-            with safe_open(st_path, framework="pt") as f:
-                tensors = ((k, f.get_tensor(k)) for k in f.keys())
-                bad = next((k for k, t in tensors if not bool(torch.isfinite(t).all())), None)
-        else:
-            state = torch.load(os.path.join(path, BIN_FILE), map_location="cpu",
-                               weights_only=True, mmap=True)
-            bad = next((k for k, t in state.items() if not bool(torch.isfinite(t).all())), None)
-    except Exception as e:  # truncated or changed since inspect_adapter
-        raise AdapterError(f"the adapter weights in {path} are unreadable: {e}") from None
+    bad = next((k for k, t in _read_tensors(path).items()
+                if not bool(torch.isfinite(t).all())), None)
     if bad is not None:
         raise AdapterError(f"tensor {bad!r} holds non-finite values (NaN or Inf)")
 
@@ -186,8 +197,7 @@ def inspect_adapter(path: str) -> AdapterSpec:
     pairs: dict[str, dict[str, list[int]]] = {}
     embedding: set[str] = set()
     for key, (shape, _) in shapes.items():
-        stem = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
-        module, _, kind = stem.removesuffix(".weight").rpartition(".")
+        module, kind = _split_key(key)
         if kind not in _KINDS or not module:
             raise AdapterError(f"unexpected tensor {key!r}: not a LoRA A/B weight")
         if len(shape) != 2:
@@ -225,24 +235,10 @@ def load_adapter(path: str) -> tuple[AdapterSpec, dict[str, tuple[Any, Any]]]:
     """An adapter's spec (checked as `inspect_adapter` does) and its weights:
     module path (PEFT prefix stripped) -> (A [rank, in], B [out, rank]), CPU
     tensors in the file's dtype, scaling not applied."""
-    import torch
-
     spec = inspect_adapter(path)
-    st_path = os.path.join(spec.path, SAFETENSORS_FILE)
-    try:
-        if os.path.isfile(st_path):
-            from safetensors.torch import load_file
-
-            tensors = load_file(st_path)
-        else:
-            tensors = torch.load(os.path.join(spec.path, BIN_FILE), map_location="cpu",
-                                 weights_only=True)
-    except Exception as e:  # the libraries raise their own error types
-        raise AdapterError(f"the adapter weights in {spec.path} are unreadable: {e}") from None
     pairs: dict[str, dict[str, Any]] = {}
-    for key, tensor in tensors.items():
-        stem = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
-        module, _, kind = stem.removesuffix(".weight").rpartition(".")
+    for key, tensor in _read_tensors(spec.path).items():
+        module, kind = _split_key(key)
         pairs.setdefault(module, {})[_KINDS.get(kind, kind)] = tensor
     if pairs.keys() != spec.modules.keys() or any(set(ab) != {"A", "B"}
                                                    for ab in pairs.values()):

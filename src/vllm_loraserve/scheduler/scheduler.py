@@ -191,10 +191,16 @@ class PoolSchedulerMixin:
         admit; these must not block the ones behind them)."""
         now, held = time.monotonic(), []
         for queue in (self.waiting, self.skipped_waiting):
-            cold = [r for r in queue
-                    if r.lora_request is not None and (
-                        not self._ready(r.lora_request.lora_int_id)
-                        or r.request_id in self._adapter_failures)]
+            cold = []
+            for r in queue:
+                if r.lora_request is None:
+                    continue
+                reason = self._read_failures.get(r.lora_request.lora_int_id)
+                if reason is not None:
+                    self._fail_request(r, reason)
+                if r.request_id in self._adapter_failures or \
+                        not self._ready(r.lora_request.lora_int_id):
+                    cold.append(r)
             if not cold:
                 continue
             for request in cold:
@@ -224,15 +230,15 @@ class PoolSchedulerMixin:
         if report is None:
             return
         self._host_ready = report.host_ready
-        for lora_id in report.failed.keys() - self._read_failures.keys():
+        new = report.failed.keys() - self._read_failures.keys()
+        for lora_id in new:
             self.forget_adapter(lora_id)  # its pages go once its requests have failed
         self._read_failures = report.failed
-        if self._read_failures:
-            for request in self.requests.values():
-                lr = request.lora_request
-                if lr is not None and lr.lora_int_id in self._read_failures \
-                        and not request.is_finished():
-                    self._fail_request(request, self._read_failures[lr.lora_int_id])
+        # Running requests of a newly failed adapter fail now; waiting ones
+        # (now or later) when the next schedule() sets them aside.
+        for request in self.running if new else ():
+            if request.lora_request is not None and request.lora_request.lora_int_id in new:
+                self._fail_request(request, report.failed[request.lora_request.lora_int_id])
 
     def _fail_request(self, request: Any, reason: str) -> None:
         """Finish `request` with an error at this step's update; `reason`

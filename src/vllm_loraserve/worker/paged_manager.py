@@ -205,10 +205,10 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             # Adapter files are input: whatever they raise fails this adapter only.
             reason = f"its files could not be read: {type(e).__name__}: {e}"
             with self._lock:
-                current = self._generation.get(lora_id, 0) == generation
-                if record_failure and current:
+                record = record_failure and self._generation.get(lora_id, 0) == generation
+                if record:
                     self.failed[lora_id] = reason
-            if record_failure and current:
+            if record:
                 logger.error("vllm-loraserve: adapter %s (id %d) %s", lora_request.lora_name,
                              lora_id, reason)
             raise
