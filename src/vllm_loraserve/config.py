@@ -14,6 +14,7 @@ without it changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,10 +56,12 @@ class LoraServeConfig:
         choices=("paged", "vllm"),
     )
     host_cache_bytes: int = _opt(
-        8 << 30,
-        "Byte budget of the paged pool's host tier: adapters read from disk are "
-        "kept in host memory, least recently used evicted first, and re-read "
-        "from disk when needed again.",
+        0,
+        "Byte budget of the paged pool's host tier (per worker): adapters read "
+        "from disk are kept in host memory, least recently used evicted first "
+        "(those waiting requests still need last), and re-read from disk when "
+        "needed again. Pinned buffers count at their allocated size (a power of "
+        "two). 0: a quarter of the machine's memory, at most 32 GiB.",
         flag="--loraserve-host-cache-bytes",
     )
     read_threads: int = _opt(
@@ -94,8 +97,16 @@ class LoraServeConfig:
                                  f"got {getattr(self, f.name)!r}")
         for name in ("host_cache_bytes", "read_threads", "max_slots"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"loraserve.{name} must be a positive integer, got {value!r}")
+            low = 0 if name == "host_cache_bytes" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"loraserve.{name} must be an integer >= {low}, got {value!r}")
+
+    def host_budget(self) -> int:
+        """`host_cache_bytes`, with 0 resolved against this machine's memory."""
+        if self.host_cache_bytes:
+            return self.host_cache_bytes
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return min(memory // 4, 32 << 30)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> LoraServeConfig:

@@ -26,6 +26,16 @@ import torch
 from vllm_loraserve.paging.layout import AdapterPlacement, LayerLayout
 
 
+def to_device(values: Sequence[int], dtype: torch.dtype,
+              device: torch.device | str) -> torch.Tensor:
+    """A small host list on `device` without waiting for the device: from
+    pinned memory, copied asynchronously (a pageable copy would make the
+    host wait for every kernel already queued; torch keeps the pinned block
+    until its copy is done)."""
+    cuda = torch.device(device).type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class SlotTable:
     rank: torch.Tensor  # [S] int32; 0 for an empty slot
@@ -78,8 +88,8 @@ class SlotTable:
                              f"exceeds the table (rank {self.max_rank}, "
                              f"{self.pages.shape[1]} pages)")
         self.rank[slot] = placement.rank
-        self.seg_offsets[slot] = torch.tensor(placement.seg_offsets, dtype=torch.int32)
-        self.pages[slot, :len(page_ids)] = torch.tensor(page_ids, dtype=torch.int32)
+        self.seg_offsets[slot] = to_device(placement.seg_offsets, torch.int32, self.rank.device)
+        self.pages[slot, :len(page_ids)] = to_device(page_ids, torch.int32, self.rank.device)
 
     def clear(self, slot: int) -> None:
         self.rank[slot] = 0

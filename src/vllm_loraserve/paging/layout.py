@@ -106,30 +106,47 @@ def pack_layer(
     weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
     scaling: float,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One layer's stream: `num_pages * page_size` elements, on the weights'
-    device.
+    """One layer's stream: `num_pages * page_size` elements, written into
+    `out` when given (e.g. a row of a pinned host buffer), else into a new
+    tensor on the weights' device.
 
     `weights` maps slice name -> (A [rank, in], B [out, rank]); scaling is
-    folded into Bt. Padding is zero.
+    folded into Bt. Padding is zero. Each segment is written in one pass,
+    straight from the file's tensors (the host tier's read cost).
     """
-    device = next(iter(weights.values()))[0].device if weights else "cpu"
-    stream = torch.zeros(placement.num_pages * layout.page_size, dtype=dtype, device=device)
+    n = placement.num_pages * layout.page_size
+    if out is None:
+        device = next(iter(weights.values()))[0].device if weights else "cpu"
+        out = torch.empty(n, dtype=dtype, device=device)
+    elif out.shape != (n,) or out.dtype != dtype:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not a stream of {n} {dtype}")
     r = placement.rank
+    written = [False] * layout.num_segments
     for name, (a, b) in weights.items():
         g = layout.slice_index(name)
         s = layout.slices[g]
         if a.shape != (r, s.in_features) or b.shape != (s.out_features, r):
             raise ValueError(f"{name}: A {tuple(a.shape)} / B {tuple(b.shape)} do not match "
                              f"rank {r}, in {s.in_features}, out {s.out_features}")
-        for seg, rows in ((2 * g, a), (2 * g + 1, b.T * scaling)):
+        for seg, rows in ((2 * g, a), (2 * g + 1, b.T)):
             off = placement.seg_offsets[seg]
             if off < 0:
                 raise ValueError(f"slice {name} is not in this adapter's placement")
             w = layout.width(seg)
-            view = stream[off:off + r * w].view(r, w)
-            view[:, :rows.shape[1]] = rows.to(dtype)
-    return stream
+            view = out[off:off + r * w].view(r, w)
+            if seg % 2:
+                torch.mul(rows, scaling, out=view[:, :rows.shape[1]])
+            else:
+                view[:, :rows.shape[1]].copy_(rows)
+            view[:, rows.shape[1]:].zero_()
+            written[seg] = True
+    for seg, off in enumerate(placement.seg_offsets):  # targeted but absent: zero
+        if off >= 0 and not written[seg]:
+            out[off:off + r * layout.width(seg)].zero_()
+    out[placement.stream_len:].zero_()
+    return out
 
 
 def write_pages(pool: torch.Tensor, page_ids: Sequence[int], stream: torch.Tensor,

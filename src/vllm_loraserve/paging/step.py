@@ -5,7 +5,8 @@ workers copy weights into the pages and compute with them. `PoolStep` rides
 on vLLM's `SchedulerOutput` as the attribute `loraserve` (a plain dataclass,
 so it survives the pickled multiprocess path), and workers apply it before
 the step's forward pass: first `evicted`, then `loads`; `prefetch` only
-starts background reads.
+starts background reads, and `keep` (state, not deltas: replaced by every
+step) says which host-tier entries waiting requests still need.
 
 The way back is `PoolReport`, on the step's `ModelRunnerOutput` under the
 same attribute: the worker's state (not deltas), so a report that never
@@ -37,20 +38,33 @@ class PageLoad:
     page_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class Prefetch:
+    """Read `lora_request` into the host tier ahead of its requests; `pages`
+    (per layer, 0 if the scheduler could not size it) lets the worker check
+    that the tier has room before it reads."""
+
+    lora_request: Any  # vllm.lora.request.LoRARequest
+    pages: int
+
+
 @dataclass
 class PoolStep:
     evicted: list[int] = field(default_factory=list)  # slots freed this step
     loads: list[PageLoad] = field(default_factory=list)
     # Adapters of waiting requests that are not resident (S-LoRA's prefetch):
     # workers start reading them into their host tier in the background.
-    prefetch: list[Any] = field(default_factory=list)  # LoRARequest
+    prefetch: list[Prefetch] = field(default_factory=list)
+    # Adapters in the workers' host tier that waiting requests need and the
+    # pool does not hold: their host entries are evicted last.
+    keep: list[int] = field(default_factory=list)  # lora ids
     # Seconds each request admitted this step waited for its adapter (0 when
     # it was resident or in the host tier at once); for /metrics, which reads
     # the workers.
     waits: list[float] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.evicted or self.loads or self.prefetch or self.waits)
+        return bool(self.evicted or self.loads or self.prefetch or self.keep or self.waits)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from vllm_loraserve.adapters.peft import (
 from vllm_loraserve.config import from_vllm_config
 from vllm_loraserve.paging.layout import LayerLayout
 from vllm_loraserve.paging.model import model_layout
-from vllm_loraserve.paging.step import REPORT_ATTR, STEP_ATTR, PoolReport
+from vllm_loraserve.paging.step import REPORT_ATTR, STEP_ATTR, PoolReport, Prefetch
 from vllm_loraserve.scheduler.pages import AdapterPages
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -123,6 +123,7 @@ class PoolSchedulerMixin:
             return demands[key]
 
         self._adapter_demands = demands
+        self._demand = demand
         self._adapter_failures: dict[str, str] = {}  # request id -> why
         # The workers' host tier, from their last PoolReport.
         self._host_ready: frozenset[int] = frozenset()
@@ -177,7 +178,7 @@ class PoolSchedulerMixin:
             for queue, requests in held:
                 queue.prepend_requests(requests)
         step = self.adapter_pages.take_step()
-        step.prefetch = self._prefetch_hints()
+        step.prefetch, step.keep = self._host_plan()
         step.waits, self._waits = self._waits, []
         setattr(out, STEP_ATTR, step)
         return out
@@ -208,22 +209,31 @@ class PoolSchedulerMixin:
             held.append((queue, take_out(queue, cold, self.policy)))
         return held
 
-    def _prefetch_hints(self) -> list[Any]:
-        """The first PREFETCH_AHEAD distinct adapters of the waiting queue
-        that are not ready (S-LoRA §5.2). Hinted every step until ready: the
-        workers ignore hints for reads already done or under way."""
-        hints, seen = [], set()
+    def _host_plan(self) -> tuple[list[Prefetch], list[int]]:
+        """What the workers' host tier should hold for the waiting queue:
+        the first PREFETCH_AHEAD distinct adapters that are not ready, to
+        read (S-LoRA §5.2; hinted every step until ready: the workers skip
+        reads done or under way, and reads the tier has no room for yet),
+        and the host-ready adapters the pool does not hold, to keep."""
+        hints, keep, seen = [], [], set()
         for queue in (self.skipped_waiting, self.waiting):
             for request in queue:
                 lr = request.lora_request
-                if lr is None or lr.lora_int_id in seen or self._ready(lr.lora_int_id) \
-                        or lr.lora_int_id in self._read_failures:
+                if lr is None or lr.lora_int_id in seen:
                     continue
                 seen.add(lr.lora_int_id)
-                hints.append(lr)
-                if len(hints) == PREFETCH_AHEAD:
-                    return hints
-        return hints
+                if lr.lora_int_id in self.adapter_pages.resident or \
+                        lr.lora_int_id in self._read_failures:
+                    continue
+                if lr.lora_int_id in self._host_ready:
+                    keep.append(lr.lora_int_id)
+                elif len(hints) < PREFETCH_AHEAD:
+                    try:
+                        pages = self._demand(lr)[1]
+                    except AdapterError:
+                        pages = 0  # the worker's read reports why
+                    hints.append(Prefetch(lr, pages))
+        return hints, keep
 
     def _take_report(self, model_runner_output: Any) -> None:
         report: PoolReport | None = getattr(model_runner_output, REPORT_ATTR, None)

@@ -6,6 +6,16 @@ so a device load is one page copy per layer and never touches the disk.
 Entries are evicted least recently used first to stay within a byte budget;
 an evicted adapter is read from disk again when it is next needed.
 
+Entries the scheduler still needs (`keep`: adapters of waiting requests not
+yet in the device pool) go last: evicting one of them means reading it again
+before its requests can run, which is what made read-ahead churn the tier.
+Read-ahead therefore starts only when `has_room` says the kept entries and
+the reads under way leave room for it.
+
+Sizes are what the memory costs: torch's pinned allocator rounds each block
+up to a power of two (and caches freed blocks for reuse), so a pinned entry
+counts at that size.
+
 Invariant: `bytes_used` == sum of the entries' sizes <= `budget`, except
 that a single entry larger than the budget is still admitted (alone), so
 any adapter can be served.
@@ -14,11 +24,18 @@ any adapter can be served.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
 from vllm_loraserve.paging.layout import AdapterPlacement
+
+
+def allocation_bytes(nbytes: int, pinned: bool) -> int:
+    """Host memory an `nbytes` buffer takes (torch's pinned allocator rounds
+    each block up to a power of two)."""
+    return 1 << max(0, nbytes - 1).bit_length() if pinned else nbytes
 
 
 @dataclass(frozen=True)
@@ -29,7 +46,8 @@ class HostAdapter:
 
     @property
     def nbytes(self) -> int:
-        return self.streams.numel() * self.streams.element_size()
+        return allocation_bytes(self.streams.numel() * self.streams.element_size(),
+                                self.streams.is_pinned())
 
 
 class HostCache:
@@ -50,14 +68,30 @@ class HostCache:
             self._entries.move_to_end(lora_id)
         return entry
 
-    def put(self, lora_id: int, entry: HostAdapter) -> list[int]:
-        """Insert (or replace) an entry; returns the ids evicted for room."""
+    def kept_bytes(self, keep: Collection[int]) -> int:
+        return sum(e.nbytes for i, e in self._entries.items() if i in keep)
+
+    def has_room(self, nbytes: int, keep: Collection[int], reserved: int = 0) -> bool:
+        """Whether an entry of `nbytes` fits beside the kept entries and
+        `reserved` bytes of reads under way (evicting only entries not kept).
+        An empty tier always has room, so an oversized adapter can be read."""
+        kept = self.kept_bytes(keep)
+        return kept + reserved + nbytes <= self.budget or kept + reserved == 0
+
+    def put(self, lora_id: int, entry: HostAdapter, keep: Collection[int] = ()) -> list[int]:
+        """Insert (or replace) an entry; returns the ids evicted for room:
+        least recently used first, entries in `keep` only if the others do
+        not make room."""
         self.pop(lora_id)
         evicted = []
-        while self._entries and self.bytes_used + entry.nbytes > self.budget:
-            old, dropped = self._entries.popitem(last=False)
-            self.bytes_used -= dropped.nbytes
-            evicted.append(old)
+        for spare_kept in (True, False):
+            for old in list(self._entries):
+                if self.bytes_used + entry.nbytes <= self.budget:
+                    break
+                if spare_kept and old in keep:
+                    continue
+                self.bytes_used -= self._entries.pop(old).nbytes
+                evicted.append(old)
         self._entries[lora_id] = entry
         self.bytes_used += entry.nbytes
         return evicted

@@ -12,7 +12,10 @@ warm-up calls). Differences from vLLM:
   carries out its `PoolStep` before each forward pass.
 - Loaded adapters are kept, in page layout, in a byte-bounded host tier
   (worker/host_cache.py), filled by `read_threads` background readers from
-  the scheduler's prefetch hints (and by a runtime `add_lora`). Each step's
+  the scheduler's prefetch hints (and by a runtime `add_lora`). A hint is
+  read only when the tier has room beside the entries waiting requests still
+  need (`PoolStep.keep`), so read-ahead never evicts what it read for the
+  queue before those requests are admitted. Each step's
   `PoolReport` tells the scheduler which adapters are in that tier, so it
   admits a request only once its adapter is; a step reads from disk itself
   only if the tier dropped an adapter after reporting it.
@@ -45,8 +48,8 @@ from vllm_loraserve.config import LoraServeConfig
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.layout import pack_layer
 from vllm_loraserve.paging.model import model_layout, module_slice_names
-from vllm_loraserve.paging.step import PoolReport, PoolStep
-from vllm_loraserve.worker.host_cache import HostAdapter, HostCache
+from vllm_loraserve.paging.step import PoolReport, PoolStep, Prefetch
+from vllm_loraserve.worker.host_cache import HostAdapter, HostCache, allocation_bytes
 from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker.pool import DevicePool
 from vllm_loraserve.worker.residency import MAX_BUFFERED_EVENTS
@@ -84,12 +87,14 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                  embedding_modules: dict[str, str], cfg: LoraServeConfig) -> None:
         super().__init__(vllm_config, device, embedding_modules)
         self.cfg = cfg
-        self.host = HostCache(cfg.host_cache_bytes)
+        self.host = HostCache(cfg.host_budget())
         # Disk reads for prefetch run here, off the engine step; the host tier,
         # the reads under way and the failures are shared with them under _lock.
         self._reader = ThreadPoolExecutor(max_workers=cfg.read_threads,
                                           thread_name_prefix="loraserve-read")
         self._reading: dict[int, Future] = {}
+        self._reserved: dict[int, int] = {}  # lora id -> host bytes of a read-ahead
+        self._keep: frozenset[int] = frozenset()  # the last PoolStep's keep
         self.failed: dict[int, str] = {}  # lora id -> why its files could not be read
         # Read since the last report, even if the tier dropped them again: each
         # finished read admits its requests at least once (no livelock when
@@ -176,19 +181,32 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             return reading.result(), False
         return self._read(lora_request), False
 
-    def prefetch(self, lora_request: Any) -> None:
-        """Start reading an adapter into the host tier in the background."""
-        lora_id = lora_request.lora_int_id
+    def _entry_bytes(self, pages: int) -> int:
+        dtype = self.lora_config.lora_dtype
+        n = self.num_layers * pages * self.pool.layout.page_size * dtype.itemsize
+        return allocation_bytes(n, pinned=torch.device(self.device).type == "cuda")
+
+    def prefetch(self, hint: Prefetch) -> None:
+        """Start reading an adapter into the host tier in the background, if
+        the tier has room for it beside the entries waiting requests need
+        (else a later step's hint starts it)."""
+        lora_id = hint.lora_request.lora_int_id
+        need = self._entry_bytes(hint.pages)
         with self._lock:
             if lora_id in self.host or lora_id in self._reading or lora_id in self.failed:
                 return
-            future = self._reader.submit(self._read, lora_request)
+            if not self.host.has_room(need, self._keep | self._fresh,
+                                      sum(self._reserved.values())):
+                return
+            future = self._reader.submit(self._read, hint.lora_request)
             self._reading[lora_id] = future
+            self._reserved[lora_id] = need
 
         def done(f: Any) -> None:
             with self._lock:
                 if self._reading.get(lora_id) is f:
                     del self._reading[lora_id]
+                    self._reserved.pop(lora_id, None)
 
         future.add_done_callback(done)
 
@@ -214,7 +232,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             raise
         with self._lock:
             if self._generation.get(lora_id, 0) == generation:
-                self.host.put(lora_id, entry)
+                # Fresh reads count as kept until the scheduler has seen them.
+                self.host.put(lora_id, entry, self._keep | self._fresh)
                 self.failed.pop(lora_id, None)
                 self._fresh.add(lora_id)
         self._record(lora_id, "host", time.perf_counter() - t0)
@@ -241,7 +260,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                               dtype=dtype,
                               pin_memory=torch.device(self.device).type == "cuda")
         for layer, w in enumerate(per_layer):
-            streams[layer] = pack_layer(layout, placement, w, spec.scaling, dtype)
+            pack_layer(layout, placement, w, spec.scaling, dtype, out=streams[layer])
         return HostAdapter(lora_request.lora_name, placement, streams)
 
     # -- the scheduler's page decisions ---------------------------------------
@@ -249,6 +268,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         """Carry out the scheduler's page decisions before the forward pass.
         `idle`: the step runs no tokens (every waiting request's adapter is
         still being read); wait briefly for a read instead of spinning."""
+        self._keep = frozenset(step.keep) if step else frozenset()
         if step:
             self._apply(step)
         if idle:
@@ -260,8 +280,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
     def _apply(self, step: PoolStep) -> None:
         if self.pool.layout is None:
             raise RuntimeError("adapter pages scheduled before the pool was bound to the KV cache")
-        for lora_request in step.prefetch:
-            self.prefetch(lora_request)
+        for hint in step.prefetch:
+            self.prefetch(hint)
         with self._lock:
             self._waits.extend(step.waits)
         for slot in step.evicted:
@@ -335,6 +355,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             self._generation[lora_id] = self._generation.get(lora_id, 0) + 1
             self.failed.pop(lora_id, None)
             self._reading.pop(lora_id, None)
+            self._reserved.pop(lora_id, None)
 
     def pin_adapter(self, adapter_id: int) -> bool:
         raise ValueError("pinning adapters is not supported by the loraserve pool yet "
@@ -368,5 +389,6 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                          "page_size": self.pool.layout.page_size if self.pool.layout else 0,
                          "peak_batch_adapters": self.pool.peak_batch_adapters,
                          "host_bytes": host_bytes, "host_adapters": len(host_ids),
+                         "host_budget": self.host.budget,
                          "prefetch_hits": self.prefetch_hits,
                          "prefetch_misses": self.prefetch_misses}}

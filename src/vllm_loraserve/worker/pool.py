@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from vllm_loraserve.kernels import SlotTable, get_backend
-from vllm_loraserve.kernels.batch import ModuleSlices, TokenBatch, TokenBatchBuffers
+from vllm_loraserve.kernels.batch import ModuleSlices, TokenBatch, TokenBatchBuffers, to_device
 from vllm_loraserve.paging.layout import AdapterPlacement, LayerLayout, SliceSpec
 
 SMALL_BATCH = 512  # tokens; at most this many use 16-token work blocks
@@ -96,7 +96,7 @@ class DevicePool:
                              f"{placement.num_pages}")
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"slot {slot} outside the table's {self.max_slots} slots")
-        ids = torch.as_tensor(page_ids, dtype=torch.long, device=self.device)
+        ids = to_device(page_ids, torch.long, self.device)
         # On the compute stream: ordered after every kernel that read these
         # pages before (as KV or as another adapter) and before this step's.
         for layer, pages in enumerate(self.pages):

@@ -1,0 +1,56 @@
+"""What the scheduler asks of the workers' host tier each step: read-ahead
+for adapters that are not ready, keep for those that are but are not in the
+device pool, in queue order."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from vllm_loraserve.adapters.peft import AdapterError
+from vllm_loraserve.scheduler import scheduler as sched
+from vllm_loraserve.scheduler.scheduler import PoolSchedulerMixin
+
+
+def lora(i: int) -> SimpleNamespace:
+    return SimpleNamespace(lora_int_id=i, lora_name=f"a{i}")
+
+
+def request(i: int | None) -> SimpleNamespace:
+    return SimpleNamespace(lora_request=None if i is None else lora(i))
+
+
+def plan(waiting, skipped=(), resident=(), host_ready=(), failed=(), bad=()):
+    def demand(lr):
+        if lr.lora_int_id in bad:
+            raise AdapterError("malformed")
+        return 8, 10 * lr.lora_int_id
+
+    s = SimpleNamespace(waiting=[request(i) for i in waiting],
+                        skipped_waiting=[request(i) for i in skipped],
+                        adapter_pages=SimpleNamespace(resident=set(resident)),
+                        _host_ready=frozenset(host_ready),
+                        _read_failures={i: "x" for i in failed}, _demand=demand)
+    hints, keep = PoolSchedulerMixin._host_plan(s)
+    return [(h.lora_request.lora_int_id, h.pages) for h in hints], keep
+
+
+def test_cold_adapters_are_hinted_with_their_size_and_ready_ones_kept():
+    hints, keep = plan(waiting=[1, 2, None, 3, 2, 4, 5], skipped=[6],
+                       resident={3}, host_ready={2, 5, 3}, failed={4})
+    # skipped_waiting first (vLLM schedules it first); each adapter once;
+    # resident and failed adapters need nothing from the host tier.
+    assert hints == [(6, 60), (1, 10)]
+    assert keep == [2, 5]
+
+
+def test_read_ahead_is_bounded_and_keep_is_not(monkeypatch):
+    monkeypatch.setattr(sched, "PREFETCH_AHEAD", 2)
+    hints, keep = plan(waiting=[1, 2, 3, 4, 5, 6], host_ready={5, 6})
+    assert [h for h, _ in hints] == [1, 2] and keep == [5, 6]
+
+
+def test_an_adapter_the_scheduler_cannot_size_is_still_read():
+    # Its read fails in the worker, which reports why (and its requests fail).
+    hints, _ = plan(waiting=[7], bad={7})
+    assert hints == [(7, 0)]
+
