@@ -3,11 +3,13 @@ adapter weights of heterogeneous ranks.
 
 One kernel pair serves prefill (blocks of many tokens of one adapter: MBGMM)
 and decode (blocks of one or a few tokens: MBGMV); only the tile sizes differ.
-Grid axes: (work block [x split-K], rank or column block, slice). A program
-whose rank block lies beyond its slot's rank, or whose slot does not target
-the slice, returns at once, so the work follows the sum of the ranks in the
-batch; the grid itself depends only on the number of blocks and the
-configured maximum rank. Weights are read through the slot's page table: one
+Grid axes: shrink (work-block programs x split-K, slice), expand (work-block
+programs, column block, slice). Work-block programs stride over the step's
+blocks (their count is read on the device), and a shrink program loops over
+rank tiles up to its slot's rank only, so the work follows the sum of the
+ranks in the batch; the grid itself depends only on the most blocks a batch
+of that many tokens can have (what a CUDA graph captured) and the device's
+SM count (`block_programs`). Weights are read through the slot's page table: one
 page lookup per (row, tile chunk), which the layout guarantees never crosses
 a page (paging/layout.py).
 
@@ -38,54 +40,52 @@ def _shrink_kernel(
     EVEN_H: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
-    blk = pid0 // SPLIT_K
     split = pid0 % SPLIT_K
-    n0 = tl.program_id(1) * BN
-    s = tl.program_id(2)
-    if blk >= tl.load(nblocks_ptr):
-        return
-    slot = tl.load(blocks_ptr + blk * 3)
-    rank = tl.load(rank_ptr + slot)
-    if n0 >= rank:
-        return
-    seg_off = tl.load(seg_ptr + slot * num_segs + first_seg + 2 * s)
-    if seg_off < 0:
-        return
-    start = tl.load(blocks_ptr + blk * 3 + 1)
-    length = tl.load(blocks_ptr + blk * 3 + 2)
-
+    stride_blk = tl.num_programs(0) // SPLIT_K
+    s = tl.program_id(1)
     offs_m = tl.arange(0, BM)
-    m_mask = offs_m < length
-    toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
-    offs_n = n0 + tl.arange(0, BN)
-    n_mask = offs_n < rank
-    row_start = seg_off + offs_n * a_width  # element offset of each A row
     offs_k = tl.arange(0, BK)
-
     k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BK) * BK
     k_begin = split * k_span
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(k_begin, tl.minimum(k_begin + k_span, K), BK):
-        k_mask = (k0 + offs_k) < K
-        x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        chunk = row_start + k0  # a chunk of BK elements lies in one page
-        page = tl.load(pages_ptr + slot * max_pages + chunk // page_size, mask=n_mask, other=0)
-        # Rows start at multiples of the layout's align (checked: a multiple of
-        # 16), which lets Triton issue wide loads for the gathered rows.
-        base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
-        w = tl.load(pool_ptr + base[None, :] + offs_k[:, None],
-                    mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-        acc += tl.dot(x, w)
-    out = h_ptr + s * stride_hs + toks[:, None] * stride_ht + offs_n[None, :]
-    if EVEN_H:  # columns past the rank hold 0 (masked weights), inside h's width
-        mask = m_mask[:, None]
-    else:
-        mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc, mask=mask)
-    else:
-        tl.atomic_add(out, acc, mask=mask)
+    # Grid-stride over the step's work blocks: no program is launched for the
+    # blocks a graph's worst case allows but the step does not have.
+    for blk in range(pid0 // SPLIT_K, tl.load(nblocks_ptr), stride_blk):
+        slot = tl.load(blocks_ptr + blk * 3)
+        rank = tl.load(rank_ptr + slot)
+        seg_off = tl.load(seg_ptr + slot * num_segs + first_seg + 2 * s)
+        if seg_off >= 0:
+            start = tl.load(blocks_ptr + blk * 3 + 1)
+            length = tl.load(blocks_ptr + blk * 3 + 2)
+            m_mask = offs_m < length
+            toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
+            # Rank tiles up to this slot's rank only: work follows the rank.
+            for n0 in range(0, rank, BN):
+                offs_n = n0 + tl.arange(0, BN)
+                n_mask = offs_n < rank
+                row_start = seg_off + offs_n * a_width  # element offset of each A row
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+                for k0 in range(k_begin, tl.minimum(k_begin + k_span, K), BK):
+                    k_mask = (k0 + offs_k) < K
+                    x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
+                                mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                    chunk = row_start + k0  # a chunk of BK elements lies in one page
+                    page = tl.load(pages_ptr + slot * max_pages + chunk // page_size,
+                                   mask=n_mask, other=0)
+                    # Rows start at multiples of the layout's align (checked: a
+                    # multiple of 16), which lets Triton issue wide loads.
+                    base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
+                    w = tl.load(pool_ptr + base[None, :] + offs_k[:, None],
+                                mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+                    acc += tl.dot(x, w)
+                out = h_ptr + s * stride_hs + toks[:, None] * stride_ht + offs_n[None, :]
+                if EVEN_H:  # columns past the rank hold 0 (masked weights), inside h
+                    mask = m_mask[:, None]
+                else:
+                    mask = m_mask[:, None] & n_mask[None, :]
+                if SPLIT_K == 1:
+                    tl.store(out, acc, mask=mask)
+                else:
+                    tl.atomic_add(out, acc, mask=mask)
 
 
 @triton.jit
@@ -97,17 +97,9 @@ def _expand_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGNED: tl.constexpr,
     EVEN_H: tl.constexpr,
 ):
-    blk = tl.program_id(0)
     n0 = tl.program_id(1) * BN
     s = tl.program_id(2)
     n_out = tl.load(desc_ptr + s * 3 + 1)
-    if n0 >= n_out or blk >= tl.load(nblocks_ptr):
-        return
-    slot = tl.load(blocks_ptr + blk * 3)
-    seg_off = tl.load(seg_ptr + slot * num_segs + first_seg + 2 * s + 1)
-    if seg_off < 0:
-        return
-    rank = tl.load(rank_ptr + slot)
     width = tl.load(desc_ptr + s * 3)
     col0 = tl.load(desc_ptr + s * 3 + 2)
     if ALIGNED:  # the launcher checked every slice's first column and width
@@ -115,34 +107,41 @@ def _expand_kernel(
         # Known divisibility makes the column mask constant over 16 columns,
         # so y and B are read and written in vectors, not element by element.
         n_out = tl.multiple_of(n_out, 16)
-    start = tl.load(blocks_ptr + blk * 3 + 1)
-    length = tl.load(blocks_ptr + blk * 3 + 2)
-
     offs_m = tl.arange(0, BM)
-    m_mask = offs_m < length
-    toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
     offs_n = n0 + tl.arange(0, BN)
     n_mask = offs_n < n_out
     offs_j = tl.arange(0, BK)
-    # y is loaded first so that its latency overlaps the weight loads.
-    out = y_ptr + toks[:, None] * stride_yt + col0 + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    y = tl.load(out, mask=mask, other=0.0)
-    acc = y.to(tl.float32)
-    for j0 in range(0, rank, BK):
-        j_mask = (j0 + offs_j) < rank
-        h_tile = h_ptr + s * stride_hs + toks[:, None] * stride_ht + (j0 + offs_j)[None, :]
-        if EVEN_H:  # h is 0 past the rank up to its width, a multiple of BK: no rank mask
-            hj = tl.load(h_tile, mask=m_mask[:, None], other=0.0)
-        else:
-            hj = tl.load(h_tile, mask=m_mask[:, None] & j_mask[None, :], other=0.0)
-        chunk = seg_off + (j0 + offs_j) * width + n0  # BN columns of row j lie in one page
-        page = tl.load(pages_ptr + slot * max_pages + chunk // page_size, mask=j_mask, other=0)
-        base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
-        w = tl.load(pool_ptr + base[:, None] + tl.arange(0, BN)[None, :],
-                    mask=j_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += tl.dot(hj.to(w.dtype), w)
-    tl.store(out, acc.to(y.dtype), mask=mask)
+    # Grid-stride over the step's work blocks (see _shrink_kernel).
+    nblocks = tl.where(n0 < n_out, tl.load(nblocks_ptr), 0)
+    for blk in range(tl.program_id(0), nblocks, tl.num_programs(0)):
+        slot = tl.load(blocks_ptr + blk * 3)
+        seg_off = tl.load(seg_ptr + slot * num_segs + first_seg + 2 * s + 1)
+        if seg_off >= 0:
+            rank = tl.load(rank_ptr + slot)
+            start = tl.load(blocks_ptr + blk * 3 + 1)
+            length = tl.load(blocks_ptr + blk * 3 + 2)
+            m_mask = offs_m < length
+            toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
+            # y is loaded first so that its latency overlaps the weight loads.
+            out = y_ptr + toks[:, None] * stride_yt + col0 + offs_n[None, :]
+            mask = m_mask[:, None] & n_mask[None, :]
+            y = tl.load(out, mask=mask, other=0.0)
+            acc = y.to(tl.float32)
+            for j0 in range(0, rank, BK):
+                j_mask = (j0 + offs_j) < rank
+                h_tile = h_ptr + s * stride_hs + toks[:, None] * stride_ht + (j0 + offs_j)[None, :]
+                if EVEN_H:  # h is 0 past the rank up to its width, a multiple of BK
+                    hj = tl.load(h_tile, mask=m_mask[:, None], other=0.0)
+                else:
+                    hj = tl.load(h_tile, mask=m_mask[:, None] & j_mask[None, :], other=0.0)
+                chunk = seg_off + (j0 + offs_j) * width + n0  # BN columns of row j: one page
+                page = tl.load(pages_ptr + slot * max_pages + chunk // page_size, mask=j_mask,
+                               other=0)
+                base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
+                w = tl.load(pool_ptr + base[:, None] + tl.arange(0, BN)[None, :],
+                            mask=j_mask[:, None] & n_mask[None, :], other=0.0)
+                acc += tl.dot(hj.to(w.dtype), w)
+            tl.store(out, acc.to(y.dtype), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -174,6 +173,20 @@ def auto_split_k(k: int, block_k: int, programs: int, device: torch.device) -> i
     count and the configured maximum rank, never on the ranks in the batch."""
     sms = _num_sms(device) if device.type == "cuda" else 4
     return max(1, min(triton.cdiv(k, 2 * block_k), triton.cdiv(4 * sms, programs)))
+
+
+PROGRAMS_PER_SM = 8
+
+
+def block_programs(max_blocks: int, per_block: int, device: torch.device) -> int:
+    """Programs along the work-block axis: each strides over the step's
+    blocks, so the grid holds about PROGRAMS_PER_SM programs per SM (with the
+    `per_block` programs of the other axes) rather than one per block a
+    CUDA graph's worst case allows; most of those would find no block and
+    return, and their launches cost more than the LoRA work of small batches.
+    Depends only on `max_blocks`, so a graph replays with the grid it captured."""
+    sms = _num_sms(device) if device.type == "cuda" else 4
+    return max(1, min(max_blocks, triton.cdiv(PROGRAMS_PER_SM * sms, per_block)))
 
 
 def expand_tiles(batch: TokenBatch) -> Tiles:
@@ -219,7 +232,8 @@ class TritonBackend:
         split_k = t.split_k or auto_split_k(module.in_features, t.block_k,
                                             batch.max_blocks * rank_blocks * module.count,
                                             x.device)
-        grid = (batch.max_blocks * split_k, rank_blocks, module.count)
+        grid = (block_programs(batch.max_blocks, split_k * module.count, x.device) * split_k,
+                module.count)
         _shrink_kernel[grid](
             x, pool, h, batch.sorted_tokens, batch.blocks, batch.num_blocks_dev, slots.rank,
             slots.seg_offsets,
@@ -241,8 +255,9 @@ class TritonBackend:
             return
         t = self._expand_tiles(batch)
         _check_align(layout, t.block_n)
-        grid = (batch.max_blocks, triton.cdiv(max(module.out_features), t.block_n),
-                module.count)
+        col_blocks = triton.cdiv(max(module.out_features), t.block_n)
+        grid = (block_programs(batch.max_blocks, col_blocks * module.count, y.device),
+                col_blocks, module.count)
         _expand_kernel[grid](
             h, pool, y, batch.sorted_tokens, batch.blocks, batch.num_blocks_dev, slots.rank,
             slots.seg_offsets,
