@@ -21,6 +21,7 @@ import argparse
 import importlib.util
 import json
 import random
+import sys
 
 import numpy as np
 import torch
@@ -93,10 +94,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", required=True, help="a triton_mbgmm.py to compare with")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--programs-per-sm", default="", help="comma-separated PROGRAMS_PER_SM "
+                    "values to time the current kernels with (default: the module's)")
     a = ap.parse_args()
     spec = importlib.util.spec_from_file_location("baseline_mbgmm", a.baseline)
     old = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = old  # dataclasses look their module up
     spec.loader.exec_module(old)
+    from vllm_loraserve.kernels import triton_mbgmm as mbgmm
     from vllm_loraserve.kernels.triton_mbgmm import TritonBackend
 
     dev = torch.device("cuda")
@@ -105,16 +110,23 @@ def main() -> None:
         for t in TOKENS:
             pool = build(t, n, ranks, dev)
             res, ys = {}, {}
-            for name, backend in (("baseline", old.TritonBackend()), ("new", TritonBackend())):
+            variants = [("baseline", old.TritonBackend(), None)] + [
+                (f"new@{p}" if a.programs_per_sm else "new", TritonBackend(), p)
+                for p in ([int(v) for v in a.programs_per_sm.split(",")] if a.programs_per_sm
+                          else [mbgmm.PROGRAMS_PER_SM])]
+            for name, backend, pps in variants:
+                if pps is not None:
+                    mbgmm.PROGRAMS_PER_SM = pps
                 pool.backend = backend
                 res[name], ys[name] = time_graph(pool, t, dev)
             # The same sums, up to split-K's fp32 atomics order and bf16 rounding.
-            diff = (ys["new"].float() - ys["baseline"].float()).abs().max().item()
-            scale = ys["baseline"].float().abs().max().item()
-            row = dict(mix=mix, tokens=t, baseline_us=round(res["baseline"], 2),
-                       new_us=round(res["new"], 2),
-                       speedup=round(res["baseline"] / res["new"], 3),
-                       max_abs_diff=diff, max_abs=scale)
+            base = ys["baseline"].float()
+            row = dict(mix=mix, tokens=t, max_abs=base.abs().max().item(),
+                       **{f"{k}_us": round(v, 2) for k, v in res.items()},
+                       **{f"speedup_{k}": round(res["baseline"] / v, 3)
+                          for k, v in res.items() if k != "baseline"},
+                       max_abs_diff=max((y.float() - base).abs().max().item()
+                                        for y in ys.values()))
             print(row, flush=True)
             rows.append(row)
             del pool

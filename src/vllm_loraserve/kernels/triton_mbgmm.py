@@ -42,7 +42,8 @@ def _shrink_kernel(
     pid0 = tl.program_id(0)
     split = pid0 % SPLIT_K
     stride_blk = tl.num_programs(0) // SPLIT_K
-    s = tl.program_id(1)
+    n0 = tl.program_id(1) * BN
+    s = tl.program_id(2)
     offs_m = tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BK) * BK
@@ -53,39 +54,37 @@ def _shrink_kernel(
         slot = tl.load(blocks_ptr + blk * 3)
         rank = tl.load(rank_ptr + slot)
         seg_off = tl.load(seg_ptr + slot * num_segs + first_seg + 2 * s)
-        if seg_off >= 0:
+        if (seg_off >= 0) & (n0 < rank):  # rank tiles past the slot's rank: no work
             start = tl.load(blocks_ptr + blk * 3 + 1)
             length = tl.load(blocks_ptr + blk * 3 + 2)
             m_mask = offs_m < length
             toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
-            # Rank tiles up to this slot's rank only: work follows the rank.
-            for n0 in range(0, rank, BN):
-                offs_n = n0 + tl.arange(0, BN)
-                n_mask = offs_n < rank
-                row_start = seg_off + offs_n * a_width  # element offset of each A row
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
-                for k0 in range(k_begin, tl.minimum(k_begin + k_span, K), BK):
-                    k_mask = (k0 + offs_k) < K
-                    x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
-                                mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                    chunk = row_start + k0  # a chunk of BK elements lies in one page
-                    page = tl.load(pages_ptr + slot * max_pages + chunk // page_size,
-                                   mask=n_mask, other=0)
-                    # Rows start at multiples of the layout's align (checked: a
-                    # multiple of 16), which lets Triton issue wide loads.
-                    base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
-                    w = tl.load(pool_ptr + base[None, :] + offs_k[:, None],
-                                mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-                    acc += tl.dot(x, w)
-                out = h_ptr + s * stride_hs + toks[:, None] * stride_ht + offs_n[None, :]
-                if EVEN_H:  # columns past the rank hold 0 (masked weights), inside h
-                    mask = m_mask[:, None]
-                else:
-                    mask = m_mask[:, None] & n_mask[None, :]
-                if SPLIT_K == 1:
-                    tl.store(out, acc, mask=mask)
-                else:
-                    tl.atomic_add(out, acc, mask=mask)
+            offs_n = n0 + tl.arange(0, BN)
+            n_mask = offs_n < rank
+            row_start = seg_off + offs_n * a_width  # element offset of each A row
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(k_begin, tl.minimum(k_begin + k_span, K), BK):
+                k_mask = (k0 + offs_k) < K
+                x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
+                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                chunk = row_start + k0  # a chunk of BK elements lies in one page
+                page = tl.load(pages_ptr + slot * max_pages + chunk // page_size,
+                               mask=n_mask, other=0)
+                # Rows start at multiples of the layout's align (checked: a
+                # multiple of 16), which lets Triton issue wide loads.
+                base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
+                w = tl.load(pool_ptr + base[None, :] + offs_k[:, None],
+                            mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+                acc += tl.dot(x, w)
+            out = h_ptr + s * stride_hs + toks[:, None] * stride_ht + offs_n[None, :]
+            if EVEN_H:  # columns past the rank hold 0 (masked weights), inside h
+                mask = m_mask[:, None]
+            else:
+                mask = m_mask[:, None] & n_mask[None, :]
+            if SPLIT_K == 1:
+                tl.store(out, acc, mask=mask)
+            else:
+                tl.atomic_add(out, acc, mask=mask)
 
 
 @triton.jit
@@ -175,7 +174,7 @@ def auto_split_k(k: int, block_k: int, programs: int, device: torch.device) -> i
     return max(1, min(triton.cdiv(k, 2 * block_k), triton.cdiv(4 * sms, programs)))
 
 
-PROGRAMS_PER_SM = 8
+PROGRAMS_PER_SM = 32
 
 
 def block_programs(max_blocks: int, per_block: int, device: torch.device) -> int:
@@ -232,8 +231,8 @@ class TritonBackend:
         split_k = t.split_k or auto_split_k(module.in_features, t.block_k,
                                             batch.max_blocks * rank_blocks * module.count,
                                             x.device)
-        grid = (block_programs(batch.max_blocks, split_k * module.count, x.device) * split_k,
-                module.count)
+        grid = (block_programs(batch.max_blocks, split_k * rank_blocks * module.count,
+                               x.device) * split_k, rank_blocks, module.count)
         _shrink_kernel[grid](
             x, pool, h, batch.sorted_tokens, batch.blocks, batch.num_blocks_dev, slots.rank,
             slots.seg_offsets,

@@ -90,8 +90,12 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self.host = HostCache(cfg.host_budget())
         # Disk reads for prefetch run here, off the engine step; the host tier,
         # the reads under way and the failures are shared with them under _lock.
+        # One intra-op thread per reader: OpenMP gives every calling thread its
+        # own team, and readers with a team of all cores each packed no faster
+        # together than one alone (benchmarks/e2e/read_path.py).
         self._reader = ThreadPoolExecutor(max_workers=cfg.read_threads,
-                                          thread_name_prefix="loraserve-read")
+                                          thread_name_prefix="loraserve-read",
+                                          initializer=torch.set_num_threads, initargs=(1,))
         self._reading: dict[int, Future] = {}
         self._reserved: dict[int, int] = {}  # lora id -> host bytes of a read-ahead
         self._keep: frozenset[int] = frozenset()  # the last PoolStep's keep
