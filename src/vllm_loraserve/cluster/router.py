@@ -43,6 +43,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 
+from vllm_loraserve.adapters.record import AdapterRecord
 from vllm_loraserve.cluster.demand import DemandTracker
 from vllm_loraserve.cluster.engine import AdapterRejected
 from vllm_loraserve.cluster.placement import Assignment, PlacementInput, get_policy
@@ -50,7 +51,6 @@ from vllm_loraserve.cluster.placement.toppings import EngineView, ToppingsRouter
 from vllm_loraserve.cluster.routing import RoutingTable
 from vllm_loraserve.perf.model import Profile
 from vllm_loraserve.perf.operating import with_operating_points
-from vllm_loraserve.workloads.trace import AdapterSpec
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -183,7 +183,7 @@ class RouterCore:
         previous = {a: [(index[e], p) for e, p in entries if e in index]
                     for a, entries in self.assignment.items()}
         previous = {a: v for a, v in previous.items() if v}
-        adapters = [AdapterSpec(a, r) for a, r in sorted(self.catalog.items())]
+        adapters = [AdapterRecord(a, r) for a, r in sorted(self.catalog.items())]
         placed = self.policy.place(PlacementInput(
             adapters, demand, len(live), self.profile.operating_points, previous,
             padded=self.profile.step.kind == "bgmv", cold=cold))

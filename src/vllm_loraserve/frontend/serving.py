@@ -34,10 +34,11 @@ from http import HTTPStatus
 from typing import Any
 
 from vllm_loraserve._patching import wrap
+from vllm_loraserve.adapters.directory import scan_adapter_dir
 from vllm_loraserve.adapters.peft import ModelLoRAInfo
 from vllm_loraserve.adapters.safety import PathOutsideRoots, check_name, resolve_under_roots
 from vllm_loraserve.config import from_vllm_config
-from vllm_loraserve.frontend.catalog import AdapterCatalog, scan_adapter_dir
+from vllm_loraserve.frontend.catalog import AdapterCatalog
 
 logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
 

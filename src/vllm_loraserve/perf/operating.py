@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from vllm_loraserve.adapters.record import AdapterRecord
 from vllm_loraserve.perf.model import Profile
-from vllm_loraserve.workloads.trace import AdapterSpec, Request
+from vllm_loraserve.workloads.trace import Request
 
 
 def _p95_ttft(profile: Profile, rank: int, rate: float, prompt_len: int, output_len: int,
@@ -26,7 +27,7 @@ def _p95_ttft(profile: Profile, rank: int, rate: float, prompt_len: int, output_
     trace = [Request(i, float(t), "a", rank, prompt_len, output_len)
              for i, t in enumerate(arrivals)]
     probe = dataclasses.replace(profile, operating_points={rank: 1.0})
-    result = simulate(trace, [AdapterSpec("a", rank)], probe,
+    result = simulate(trace, [AdapterRecord("a", rank)], probe,
                       ClusterConfig(num_engines=1, policy="contiguous", rebalance_s=None,
                                     max_time_s=float(arrivals[-1]) * 4))
     return result.summary()["ttft_p95_s"]

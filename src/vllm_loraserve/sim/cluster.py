@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm_loraserve.adapters.record import AdapterRecord
 from vllm_loraserve.cluster.demand import DemandTracker
 from vllm_loraserve.cluster.placement import PlacementInput, get_policy
 from vllm_loraserve.cluster.placement.toppings import ToppingsRouter
 from vllm_loraserve.cluster.routing import RoutingTable
 from vllm_loraserve.perf.model import Profile
 from vllm_loraserve.sim.engine import EngineConfig, SimEngine, SimRequest
-from vllm_loraserve.workloads.trace import AdapterSpec, Request
+from vllm_loraserve.workloads.trace import Request
 
 _ARRIVAL, _STEP_DONE, _FETCHED, _REBALANCE, _SWITCH = range(5)
 
@@ -104,7 +105,7 @@ class SimResult:
         return float(np.percentile(t, 95)) if t else 0.0
 
 
-def simulate(trace: Sequence[Request], catalog: Sequence[AdapterSpec], profile: Profile,
+def simulate(trace: Sequence[Request], catalog: Sequence[AdapterRecord], profile: Profile,
              config: ClusterConfig) -> SimResult:
     """Run the trace to completion (or `max_time_s`) and return what happened."""
     if not profile.operating_points:
