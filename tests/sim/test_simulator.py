@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from vllm_loraserve.adapters.record import AdapterRecord
+from vllm_loraserve.perf.engine import EngineConfig
 from vllm_loraserve.perf.model import Profile, StepModel, default_profile
 from vllm_loraserve.perf.operating import with_operating_points
 from vllm_loraserve.sim.cluster import ClusterConfig, simulate
-from vllm_loraserve.sim.engine import EngineConfig
 from vllm_loraserve.workloads import generators as g
 from vllm_loraserve.workloads.trace import Request
 

@@ -78,7 +78,7 @@ def _simulate(a: argparse.Namespace) -> None:
     import sys
 
     from vllm_loraserve.adapters.record import read_catalog
-    from vllm_loraserve.cli.cluster import load_profile
+    from vllm_loraserve.perf.operating import load_profile
     from vllm_loraserve.workloads.generators import LORASERVE_RANKS
     from vllm_loraserve.workloads.trace import read_trace
 

@@ -26,10 +26,10 @@ import numpy as np
 from vllm_loraserve.adapters.record import AdapterRecord
 from vllm_loraserve.cluster.demand import DemandTracker
 from vllm_loraserve.cluster.placement import PlacementInput, get_policy
-from vllm_loraserve.cluster.placement.toppings import ToppingsRouter
+from vllm_loraserve.cluster.placement.toppings import EngineView, ToppingsRouter
 from vllm_loraserve.cluster.routing import RoutingTable
+from vllm_loraserve.perf.engine import EngineConfig, SimEngine, SimRequest
 from vllm_loraserve.perf.model import Profile
-from vllm_loraserve.sim.engine import EngineConfig, SimEngine, SimRequest
 from vllm_loraserve.workloads.trace import Request
 
 _ARRIVAL, _STEP_DONE, _FETCHED, _REBALANCE, _SWITCH = range(5)
@@ -105,6 +105,14 @@ class SimResult:
         return float(np.percentile(t, 95)) if t else 0.0
 
 
+def _view(e: SimEngine) -> EngineView:
+    return EngineView(
+        running=len(e.running), running_rank_sum=e.running_rank_sum,
+        running_rank_max=max(e.running_ranks, default=0), queued=len(e.waiting),
+        queued_rank_sum=e.queued_rank_sum, queued_rank_max=max(e.queued_ranks, default=0),
+        queued_prompt_tokens=e.queued_prompt_tokens, queued_prompt_lora=e.queued_prompt_lora)
+
+
 def simulate(trace: Sequence[Request], catalog: Sequence[AdapterRecord], profile: Profile,
              config: ClusterConfig) -> SimResult:
     """Run the trace to completion (or `max_time_s`) and return what happened."""
@@ -149,20 +157,14 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterRecord], profile
 
     states = [SimRequest(r) for r in trace]
     rejected: list[Request] = []
-    pending_steps: dict[int, tuple] = {}
     migrations = rebalances = on_demand_fetches = 0
     remaining = len(trace)
     now = 0.0
 
     def kick(e: SimEngine, t: float) -> None:
-        if e.busy or not e.has_work():
-            return
-        duration, decode, chunks = e.build_step()
-        e.busy = True
-        e.steps += 1
-        e.busy_time += duration
-        pending_steps[e.index] = (decode, chunks)
-        push(t + duration, _STEP_DONE, e.index)
+        end = e.start_step(t)
+        if end is not None:
+            push(end, _STEP_DONE, e.index)
 
     while events and remaining:
         now, _, kind, data = heapq.heappop(events)
@@ -179,7 +181,7 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterRecord], profile
             demand.record(req.adapter, req.prompt_len + req.output_len)
             if toppings is not None:
                 s = toppings.route(req.rank, req.prompt_len, table.engines(req.adapter),
-                                   {i: engines[i].view() for i in table.engines(req.adapter)})
+                                   {i: _view(engines[i]) for i in table.engines(req.adapter)})
             else:
                 s = table.pick(req.adapter, rng.random())
             e = engines[s]
@@ -190,9 +192,7 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterRecord], profile
             kick(e, now)
         elif kind == _STEP_DONE:
             e = engines[data]
-            decode, chunks = pending_steps.pop(data)
-            remaining -= len(e.finish_step(now, decode, chunks))
-            e.busy = False
+            remaining -= len(e.end_step(now))
             kick(e, now)
         elif kind == _FETCHED:
             s, adapter = data
