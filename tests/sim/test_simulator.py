@@ -113,3 +113,19 @@ def test_deterministic_by_seed(default_with_ops):
     runs = [simulate(trace, catalog, profile, ClusterConfig(2, "random", seed=9)).summary()
             for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_migration_unloads_drained_pairs_as_the_router_does(default_with_ops):
+    """Demand shifts between ranks (shifting popularity), so rebalancing moves
+    adapters; a pair routing left is unloaded once drained: at the end every
+    engine holds exactly the adapters routed to it (and every adapter is routed)."""
+    catalog, trace = g.loraserve(40, popularity="shifting", rate=30, duration=90,
+                                 input_range=(16, 300), output_range=(4, 100), seed=5)
+    res = simulate(trace, catalog, default_with_ops,
+                   ClusterConfig(3, "loraserve", rebalance_s=10))
+    assert res.migrations > 0 and len(res.finished()) == len(trace)
+    assert set(res.assignment) == {a.name for a in catalog}
+    for e in res.engines:
+        routed_here = {a for a, entries in res.assignment.items() if e.index in dict(entries)}
+        assert set(e.host.items) == routed_here, e.index
+        assert set(e.gpu.items) <= routed_here

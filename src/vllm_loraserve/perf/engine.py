@@ -59,6 +59,10 @@ class LRUBytes:
     def touch(self, name: str) -> None:
         self.items.move_to_end(name)
 
+    def remove(self, name: str) -> None:
+        if name in self.items:
+            self.used -= self.items.pop(name)
+
     def add(self, name: str, size: float, pinned: set[str]) -> None:
         """Insert (most recent) and evict unpinned LRU entries to fit."""
         if name in self.items:
@@ -124,6 +128,12 @@ class SimEngine:
     def preload(self, adapter: str, rank: int) -> None:
         """Place an adapter in host memory at no cost (initial placement)."""
         self.host.add(adapter, self.profile.adapter_bytes(rank), set(self.in_use))
+
+    def unload(self, adapter: str) -> None:
+        """Drop the adapter from host and device memory (no request uses it)."""
+        assert not self.in_use[adapter], "unload only a drained adapter"
+        self.host.remove(adapter)
+        self.gpu.remove(adapter)
 
     # -- requests -----------------------------------------------------------
     def enqueue(self, r: SimRequest) -> None:

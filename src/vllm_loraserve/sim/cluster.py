@@ -1,14 +1,17 @@
-"""Discrete-event simulation of K engines behind a router.
+"""Discrete-event simulation of K engines (perf/engine.py) behind a router.
 
-Routing uses the same policy objects as the real router
-(cluster/placement): requests go to an engine drawn with the adapter's phi,
-or, for `toppings`, to the engine with the lowest cost score. Every
-`rebalance_s` the router closes a demand window (cluster/demand.py),
-recomputes the placement with the previous one as a hint, and migrates: each
-engine that newly holds an adapter fetches it, and routing switches once all
-those fetches are done (no request is routed to an engine before its adapter
-has arrived). The initial placement assumes equal demand for every adapter,
-or (`warm_start_s`) the demand of the trace's first seconds.
+The router's logic is the router's own code: the placement policies
+(cluster/placement), the routing table (requests go to an engine drawn with
+the adapter's phi, or, for `toppings`, to the engine with the lowest cost
+score), the demand tracker, and the migration planner (cluster/migration.py).
+Every `rebalance_s` the router closes a demand window, places with the
+previous assignment as a hint, and migrates as the router does: each pair the
+planner says to ensure is fetched, routing switches once all those fetches
+are done (no request goes to an engine before its adapter has arrived), and
+the pairs routing left are drained (their requests here finish) and then
+unloaded from the engine's host and device memory. Unlike the router, a
+drain has no timeout. The initial placement assumes equal demand for every
+adapter, or (`warm_start_s`) the demand of the trace's first seconds.
 
 Engines start with their initially placed adapters in host memory; a request
 for an adapter an engine does not hold makes it fetch the adapter first.
@@ -24,8 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_loraserve.adapters.record import AdapterRecord
+from vllm_loraserve.cluster import migration
 from vllm_loraserve.cluster.demand import DemandTracker
-from vllm_loraserve.cluster.placement import PlacementInput, get_policy
+from vllm_loraserve.cluster.placement import Assignment, get_policy
 from vllm_loraserve.cluster.placement.toppings import EngineView, ToppingsRouter
 from vllm_loraserve.cluster.routing import RoutingTable
 from vllm_loraserve.perf.engine import EngineConfig, SimEngine, SimRequest
@@ -59,6 +63,7 @@ class SimResult:
     on_demand_fetches: int  # fetches a request had to wait for
     end_time: float
     rejected: list[Request]
+    assignment: Assignment  # the routing at the end
 
     def finished(self) -> list[SimRequest]:
         return [r for r in self.requests if r.finish >= 0]
@@ -124,7 +129,7 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterRecord], profile
     rank_of = {a.name: a.rank for a in catalog}
     policy = get_policy(config.policy, config.seed)
     ops = profile.operating_points
-    initial = dict.fromkeys(rank_of, 1.0)
+    initial = None  # a cold placement
     if config.warm_start_s > 0:
         initial = dict.fromkeys(rank_of, 0.0)
         for req in trace:
@@ -132,11 +137,13 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterRecord], profile
                 break
             initial[req.adapter] += (req.prompt_len + req.output_len) / config.warm_start_s
     padded = profile.step.kind == "bgmv"
-    assignment = policy.place(PlacementInput(catalog, initial, k, ops, padded=padded,
-                                             cold=config.warm_start_s <= 0))
+    ids = list(range(k))
+    assignment = migration.place(policy, rank_of, initial, ids, {}, ops, padded)
+    holders = {name: {s for s, _ in entries} for name, entries in assignment.items()}
     for name, entries in assignment.items():
         for s, _ in entries:
             engines[s].preload(name, rank_of[name])
+    draining: set[tuple[str, int]] = set()
     table = RoutingTable(assignment)
     toppings = (ToppingsRouter(profile.step, config.tbt_slo_s,
                                float(np.mean([r.output_len for r in trace])) if trace else 1.0)
@@ -160,6 +167,17 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterRecord], profile
     migrations = rebalances = on_demand_fetches = 0
     remaining = len(trace)
     now = 0.0
+
+    def unload_if_drained(name: str, s: int) -> None:
+        """The router's drain: unload once no request here uses the adapter,
+        unless routing names the pair again by then."""
+        if engines[s].in_use[name]:
+            draining.add((name, s))
+            return
+        draining.discard((name, s))
+        if s not in table.engines(name):
+            holders[name].discard(s)
+            engines[s].unload(name)
 
     def kick(e: SimEngine, t: float) -> None:
         end = e.start_step(t)
@@ -192,7 +210,11 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterRecord], profile
             kick(e, now)
         elif kind == _STEP_DONE:
             e = engines[data]
-            remaining -= len(e.end_step(now))
+            done = e.end_step(now)
+            remaining -= len(done)
+            for name in {r.req.adapter for r in done}:
+                if (name, e.index) in draining:
+                    unload_if_drained(name, e.index)
             kick(e, now)
         elif kind == _FETCHED:
             s, adapter = data
@@ -200,22 +222,26 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterRecord], profile
             kick(engines[s], now)
         elif kind == _REBALANCE:
             demand.roll()
-            new = policy.place(PlacementInput(catalog, demand.estimate(), k, ops, assignment,
-                                              padded=padded))
+            new = migration.place(policy, rank_of, demand.estimate(), ids, assignment, ops,
+                                  padded)
             rebalances += 1
+            ensure = migration.to_ensure(new, holders)
             ready = now
-            for name, entries in new.items():
-                old = {s for s, _ in assignment[name]}
-                for s, _ in entries:
-                    if s not in old:
-                        migrations += 1
-                        t = engines[s].fetch(name, rank_of[name], now)
-                        if t > now:
-                            push(t, _FETCHED, (s, name))
-                        ready = max(ready, t)
-            push(ready, _SWITCH, new)
-            assignment = new
+            for name, s in ensure:
+                migrations += 1
+                t = engines[s].fetch(name, rank_of[name], now)
+                if t > now:
+                    push(t, _FETCHED, (s, name))
+                ready = max(ready, t)
+            push(ready, _SWITCH, (new, ensure))
             push(now + config.rebalance_s, _REBALANCE, None)
         elif kind == _SWITCH:
-            table = RoutingTable(data)
-    return SimResult(states, engines, migrations, rebalances, on_demand_fetches, now, rejected)
+            new, ensured = data
+            for name, s in ensured:
+                holders[name].add(s)
+            assignment = migration.route(new, holders, assignment, rank_of)
+            table = RoutingTable(assignment)
+            for name, s in migration.to_unload(assignment, holders):
+                unload_if_drained(name, s)
+    return SimResult(states, engines, migrations, rebalances, on_demand_fetches, now, rejected,
+                     assignment)
