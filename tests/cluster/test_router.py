@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 
 from tests.cluster.fakes import fake_engines
-from vllm_loraserve.cli.cluster import load_profile
 from vllm_loraserve.cluster.router import RouterConfig, RouterCore
+from vllm_loraserve.perf.operating import load_profile
 
 RANKS = (8, 16, 32, 64, 128)
 CATALOG = {f"a{r}-{i}": r for r in RANKS for i in range(3)}

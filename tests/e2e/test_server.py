@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoConfig
 
 from vllm_loraserve.adapters.peft import inspect_adapter
+from vllm_loraserve.frontend import errors
 from vllm_loraserve.paging.model import model_layout
 
 from .bad_adapters import EXPECTED_REASONS, INF_WEIGHTS, build_bad_adapters, build_inf_weights
@@ -294,6 +295,7 @@ def test_runtime_load_checks_and_unload_frees(server, tiny_assets, runtime_root)
     r = httpx.post(f"{server}/v1/load_lora_adapter",
                    json={"lora_name": "late-bad", "lora_path": str(bad / "wrong-base")})
     assert r.status_code == 400 and "does not fit this base model" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == errors.ADAPTER_INVALID
     # a refused runtime load leaves nothing behind: the name stays unknown
     assert "late-bad" not in _adapters(server)
     assert _complete(server, "late-bad").status_code == 404
@@ -328,7 +330,7 @@ def test_refused_duplicate_load_keeps_the_served_entry(server, tiny_assets):
     assert r.status_code == 200, r.text
     r = httpx.post(f"{server}/v1/load_lora_adapter", json={
         "lora_name": "dup", "lora_path": f"{adapters}/adapter-000-r8"})
-    assert r.status_code == 400 and "already been loaded" in r.text
+    assert r.status_code == 400 and r.json()["error"]["type"] == errors.ADAPTER_LOADED, r.text
     entry = _adapters(server)["dup"]
     assert (entry["rank"], entry["path"]) == (64, f"{adapters}/adapter-003-r64")
     assert _complete(server, "dup").status_code == 200

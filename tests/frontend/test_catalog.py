@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import os
 
 import torch
 
 from vllm_loraserve.adapters.peft import ModelLoRAInfo, write_adapter
-from vllm_loraserve.frontend.catalog import AdapterCatalog, scan_adapter_dir
+from vllm_loraserve.frontend.catalog import AdapterCatalog
 
 MODEL = ModelLoRAInfo({"q_proj": frozenset({(8, 8)})}, max_rank=8)
 
@@ -106,10 +105,3 @@ def test_directory_adapter_weights_are_read_on_first_use(tmp_path):
     assert cat.entries["n"].spec is None and cat.invalid_reason("n") == bad
     assert cat.entries["ok"].weights_checked
 
-
-def test_scan_lists_every_visible_subdirectory(tmp_path):
-    _adapter(tmp_path / "b")
-    os.makedirs(tmp_path / "a-empty")
-    os.makedirs(tmp_path / ".hidden")
-    (tmp_path / "file.txt").write_text("x")
-    assert [n for n, _ in scan_adapter_dir(str(tmp_path))] == ["a-empty", "b"]

@@ -8,12 +8,13 @@ import dataclasses
 import numpy as np
 import pytest
 
+from vllm_loraserve.adapters.record import AdapterRecord
+from vllm_loraserve.perf.engine import EngineConfig
 from vllm_loraserve.perf.model import Profile, StepModel, default_profile
 from vllm_loraserve.perf.operating import with_operating_points
 from vllm_loraserve.sim.cluster import ClusterConfig, simulate
-from vllm_loraserve.sim.engine import EngineConfig
 from vllm_loraserve.workloads import generators as g
-from vllm_loraserve.workloads.trace import AdapterSpec, Request
+from vllm_loraserve.workloads.trace import Request
 
 OPS = {8: 40000.0, 16: 37000.0, 32: 32000.0, 64: 24000.0, 128: 17000.0}
 
@@ -38,7 +39,7 @@ def test_md1_mean_wait(rho):
     rate = rho / d
     arrivals = np.cumsum(np.random.default_rng(7).exponential(1 / rate, 100_000))
     trace = [Request(i, float(t), "a", 8, 1, 1) for i, t in enumerate(arrivals)]
-    result = simulate(trace, [AdapterSpec("a", 8)], profile,
+    result = simulate(trace, [AdapterRecord("a", 8)], profile,
                       ClusterConfig(1, "contiguous", rebalance_s=None))
     wait = result.ttft().mean() - d
     assert wait == pytest.approx(rho * d / (2 * (1 - rho)), rel=0.10)
@@ -52,7 +53,7 @@ def test_batching_timeline_by_hand():
         _profile(intercept=1.0, prefill_tokens=0.1, decode_tokens=0.5), max_batched_tokens=8,
         adapter_bytes_per_rank=0.0)
     trace = [Request(0, 0.0, "a", 8, 12, 3), Request(1, 0.5, "a", 8, 2, 2)]
-    r = simulate(trace, [AdapterSpec("a", 8)], profile,
+    r = simulate(trace, [AdapterRecord("a", 8)], profile,
                  ClusterConfig(1, "contiguous", rebalance_s=None)).requests
     # step 1 [0, 1.8]: A prefills 8 tokens. step 2 [1.8, 3.4]: A's last 4 and B's 2
     # prompt tokens: both first tokens at 3.4. step 3 [3.4, 5.4]: 2 decodes -> A's
@@ -75,7 +76,7 @@ def test_every_request_finishes_and_memory_is_released(default_with_ops):
 
 def test_requests_that_cannot_fit_are_rejected_not_stuck():
     trace = [Request(0, 0.0, "a", 8, 900, 200), Request(1, 0.1, "a", 8, 10, 5)]
-    res = simulate(trace, [AdapterSpec("a", 8)], _profile(intercept=0.01),
+    res = simulate(trace, [AdapterRecord("a", 8)], _profile(intercept=0.01),
                    ClusterConfig(1, "contiguous", rebalance_s=None,
                                  engine=EngineConfig(kv_capacity_tokens=1000)))
     assert [r.request_id for r in res.rejected] == [0]
@@ -112,3 +113,19 @@ def test_deterministic_by_seed(default_with_ops):
     runs = [simulate(trace, catalog, profile, ClusterConfig(2, "random", seed=9)).summary()
             for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_migration_unloads_drained_pairs_as_the_router_does(default_with_ops):
+    """Demand shifts between ranks (shifting popularity), so rebalancing moves
+    adapters; a pair routing left is unloaded once drained: at the end every
+    engine holds exactly the adapters routed to it (and every adapter is routed)."""
+    catalog, trace = g.loraserve(40, popularity="shifting", rate=30, duration=90,
+                                 input_range=(16, 300), output_range=(4, 100), seed=5)
+    res = simulate(trace, catalog, default_with_ops,
+                   ClusterConfig(3, "loraserve", rebalance_s=10))
+    assert res.migrations > 0 and len(res.finished()) == len(trace)
+    assert set(res.assignment) == {a.name for a in catalog}
+    for e in res.engines:
+        routed_here = {a for a, entries in res.assignment.items() if e.index in dict(entries)}
+        assert set(e.host.items) == routed_here, e.index
+        assert set(e.gpu.items) <= routed_here

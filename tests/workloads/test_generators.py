@@ -8,15 +8,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from vllm_loraserve.adapters.record import AdapterRecord, read_catalog, write_catalog
 from vllm_loraserve.workloads import generators as g
-from vllm_loraserve.workloads.trace import (
-    AdapterSpec,
-    Request,
-    read_catalog,
-    read_trace,
-    write_catalog,
-    write_trace,
-)
+from vllm_loraserve.workloads.trace import Request, read_trace, write_trace
 
 
 def _gaps(requests):
@@ -123,8 +117,8 @@ def test_trace_and_catalog_files(tmp_path):
     write_trace(tmp_path / "bad.jsonl", reversed(reqs))
     with pytest.raises(ValueError, match="arrivals must not decrease"):
         read_trace(tmp_path / "bad.jsonl")
-    write_catalog(tmp_path / "c.json", [AdapterSpec("a", 8)])
-    assert read_catalog(tmp_path / "c.json") == [AdapterSpec("a", 8)]
+    write_catalog(tmp_path / "c.json", [AdapterRecord("a", 8)])
+    assert read_catalog(tmp_path / "c.json") == [AdapterRecord("a", 8)]
     (tmp_path / "dup.json").write_text(json.dumps([{"name": "a", "rank": 8}] * 2))
     with pytest.raises(ValueError, match="unique"):
         read_catalog(tmp_path / "dup.json")

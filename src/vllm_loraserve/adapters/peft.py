@@ -47,7 +47,10 @@ class ModuleShape:
 
 
 @dataclass(frozen=True)
-class AdapterSpec:
+class PeftSpec:
+    """What a PEFT adapter directory holds, read from its config and header
+    (the adapter by name alone is `record.AdapterRecord`)."""
+
     path: str
     rank: int
     alpha: float
@@ -178,7 +181,7 @@ def check_finite_weights(path: str) -> None:
         raise AdapterError(f"tensor {bad!r} holds non-finite values (NaN or Inf)")
 
 
-def inspect_adapter(path: str) -> AdapterSpec:
+def inspect_adapter(path: str) -> PeftSpec:
     """Read and check an adapter directory's config and tensor shapes.
 
     Raises AdapterError for anything vLLM would reject or serve wrongly: a
@@ -220,7 +223,7 @@ def inspect_adapter(path: str) -> AdapterSpec:
             )
         modules[module] = ModuleShape(ra, n_in, n_out, module in embedding)
 
-    return AdapterSpec(
+    return PeftSpec(
         path=path,
         rank=rank,
         alpha=alpha,
@@ -231,7 +234,7 @@ def inspect_adapter(path: str) -> AdapterSpec:
     )
 
 
-def load_adapter(path: str) -> tuple[AdapterSpec, dict[str, tuple[Any, Any]]]:
+def load_adapter(path: str) -> tuple[PeftSpec, dict[str, tuple[Any, Any]]]:
     """An adapter's spec (checked as `inspect_adapter` does) and its weights:
     module path (PEFT prefix stripped) -> (A [rank, in], B [out, rank]), CPU
     tensors in the file's dtype, scaling not applied."""
@@ -259,7 +262,7 @@ class ModelLoRAInfo:
         return cls({k: frozenset(tuple(p) for p in v) for k, v in shapes.items()}, max_rank)
 
 
-def check_against_model(spec: AdapterSpec, model: ModelLoRAInfo) -> None:
+def check_against_model(spec: PeftSpec, model: ModelLoRAInfo) -> None:
     """Raise AdapterError if the served model cannot apply this adapter."""
     if spec.rank > model.max_rank:
         raise AdapterError(

@@ -259,7 +259,7 @@ def write_report(results: list[dict], profile: Profile, st: Settings, path: str,
         "costed as MBGMV and once as BGMV; the sections below give each.",
         f"- **Engine:** token budget {profile.max_batched_tokens}, "
         f"{profile.max_num_seqs} requests. The remaining engine parameters are the simulator's "
-        "defaults (sim/engine.py): 200k KV tokens; 8 GB of device memory for adapters; "
+        "defaults (perf/engine.py): 200k KV tokens; 8 GB of device memory for adapters; "
         f"host-to-device {profile.host_to_device_bytes_per_s / 1e9:.0f} GB/s; remote fetch "
         f"{profile.remote_fetch_bytes_per_s / 1e9:.0f} GB/s; "
         f"{profile.adapter_bytes_per_rank / 1e6:.0f} MB per rank.",

@@ -6,8 +6,9 @@ import argparse
 import json
 import os
 
+from vllm_loraserve.adapters.record import write_catalog
 from vllm_loraserve.workloads import generators
-from vllm_loraserve.workloads.trace import write_catalog, write_trace
+from vllm_loraserve.workloads.trace import write_trace
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -76,9 +77,10 @@ def _simulate(a: argparse.Namespace) -> None:
     import shlex
     import sys
 
-    from vllm_loraserve.cli.cluster import load_profile
+    from vllm_loraserve.adapters.record import read_catalog
+    from vllm_loraserve.perf.operating import load_profile
     from vllm_loraserve.workloads.generators import LORASERVE_RANKS
-    from vllm_loraserve.workloads.trace import read_catalog, read_trace
+    from vllm_loraserve.workloads.trace import read_trace
 
     if a.report:
         from vllm_loraserve.bench.sim_report import run_report

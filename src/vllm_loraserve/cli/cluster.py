@@ -10,17 +10,10 @@ import json
 import os
 import shlex
 
+from vllm_loraserve.adapters.record import read_catalog
 from vllm_loraserve.cluster.launch import ADMIN_TOKEN_ENV  # imports no Ray
 from vllm_loraserve.cluster.placement import POLICIES, PlacementInput, check_assignment, get_policy
-from vllm_loraserve.perf.model import Profile, default_profile
-from vllm_loraserve.perf.operating import with_operating_points
-from vllm_loraserve.workloads.trace import read_catalog
-
-
-def load_profile(path: str | None, ranks) -> Profile:
-    """A profile with operating points for `ranks` (computed if missing)."""
-    profile = Profile.load(path) if path else default_profile()
-    return with_operating_points(profile, ranks)
+from vllm_loraserve.perf.operating import load_profile
 
 
 def _place(a: argparse.Namespace) -> None:

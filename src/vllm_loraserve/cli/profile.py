@@ -12,8 +12,8 @@ from vllm_loraserve.perf.model import KINDS
 def _profile(a: argparse.Namespace) -> None:
     from vllm import LLM
 
+    from vllm_loraserve.adapters.directory import scan_adapter_dir
     from vllm_loraserve.adapters.peft import inspect_adapter
-    from vllm_loraserve.frontend.catalog import scan_adapter_dir
     from vllm_loraserve.perf.profiler import design, profile_engine
 
     specs = {}

@@ -20,6 +20,7 @@ import httpx
 from vllm_loraserve.cluster.sources import make_source
 from vllm_loraserve.cluster.store import AdapterStore
 from vllm_loraserve.cluster.transport import make_transport
+from vllm_loraserve.frontend import errors
 from vllm_loraserve.process import Server, free_port, vllm_executable
 
 
@@ -103,10 +104,11 @@ class Engine:
             "lora_name": adapter, "lora_path": self.store.path(adapter)})
         if r.status_code == 400:
             try:
-                reason = r.json()["error"]["message"]
+                error = r.json()["error"]
+                kind, reason = error["type"], error["message"]
             except (ValueError, KeyError, TypeError):
-                reason = r.text[:300]
-            if "has already been loaded" in reason:  # e.g. an unload that failed earlier
+                kind, reason = None, r.text[:300]
+            if kind == errors.ADAPTER_LOADED:  # e.g. an unload that failed earlier
                 return
             # the plugin's message (frontend/serving.py) names the adapter first
             raise AdapterRejected(reason.removeprefix(f"LoRA adapter '{adapter}' cannot be "

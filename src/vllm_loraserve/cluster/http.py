@@ -34,17 +34,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from vllm_loraserve.adapters.peft import (
     AdapterError,
     ModelLoRAInfo,
+    PeftSpec,
     check_against_model,
     check_finite_weights,
     inspect_adapter,
 )
-from vllm_loraserve.adapters.peft import (
-    AdapterSpec as PeftSpec,
-)
+from vllm_loraserve.adapters.record import AdapterRecord
 from vllm_loraserve.adapters.safety import PathOutsideRoots, check_name, resolve_under_roots
 from vllm_loraserve.cluster.placement import check_assignment
 from vllm_loraserve.cluster.router import RouterCore
-from vllm_loraserve.workloads.trace import AdapterSpec
 
 _RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
 
@@ -354,7 +352,7 @@ def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float 
             if any(e not in live for v in given.values() for e, _ in v):
                 raise ValueError(f"placement names engines that are not alive (alive: {live})")
             assignment = {**core.assignment, **given}
-            check_assignment(assignment, [AdapterSpec(a, r) for a, r in core.catalog.items()],
+            check_assignment(assignment, [AdapterRecord(a, r) for a, r in core.catalog.items()],
                              max(core.engines) + 1)
         except (ValueError, TypeError, AttributeError, json.JSONDecodeError) as e:
             return _error(400, f"invalid placement: {e}", "BadRequestError")

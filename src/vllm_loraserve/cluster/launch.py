@@ -136,11 +136,11 @@ class RouterActor:
         import ray
         import uvicorn
 
-        from vllm_loraserve.cli.cluster import load_profile
         from vllm_loraserve.cluster.http import build_app
         from vllm_loraserve.cluster.router import RouterConfig, RouterCore
         from vllm_loraserve.cluster.sources import LocalDirSource
         from vllm_loraserve.cluster.store import AdapterStore
+        from vllm_loraserve.perf.operating import load_profile
 
         logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s")
         logging.getLogger("vllm.vllm_loraserve").setLevel(logging.INFO)

@@ -43,14 +43,14 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 
+from vllm_loraserve.cluster import migration
 from vllm_loraserve.cluster.demand import DemandTracker
 from vllm_loraserve.cluster.engine import AdapterRejected
-from vllm_loraserve.cluster.placement import Assignment, PlacementInput, get_policy
+from vllm_loraserve.cluster.placement import Assignment, get_policy
 from vllm_loraserve.cluster.placement.toppings import EngineView, ToppingsRouter
 from vllm_loraserve.cluster.routing import RoutingTable
 from vllm_loraserve.perf.model import Profile
 from vllm_loraserve.perf.operating import with_operating_points
-from vllm_loraserve.workloads.trace import AdapterSpec
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -175,19 +175,9 @@ class RouterCore:
     def _place(self, demand: Mapping[str, float] | None) -> Assignment:
         """The policy's placement over the live engines; `demand` None (or
         empty): nothing measured yet, a cold placement."""
-        cold = not demand
-        if cold:
-            demand = dict.fromkeys(self.catalog, 1.0)
-        live = self.live()
-        index = {e: k for k, e in enumerate(live)}
-        previous = {a: [(index[e], p) for e, p in entries if e in index]
-                    for a, entries in self.assignment.items()}
-        previous = {a: v for a, v in previous.items() if v}
-        adapters = [AdapterSpec(a, r) for a, r in sorted(self.catalog.items())]
-        placed = self.policy.place(PlacementInput(
-            adapters, demand, len(live), self.profile.operating_points, previous,
-            padded=self.profile.step.kind == "bgmv", cold=cold))
-        return {a: [(live[k], p) for k, p in entries] for a, entries in placed.items()}
+        return migration.place(self.policy, self.catalog, demand, self.live(), self.assignment,
+                               self.profile.operating_points,
+                               padded=self.profile.step.kind == "bgmv")
 
     async def rebalance(self) -> int:
         """Close the demand window and move to a new placement; returns the
@@ -209,9 +199,9 @@ class RouterCore:
             return await self._apply(assignment)
 
     async def _apply(self, new: Assignment) -> int:
-        """Ensure new pairs, switch routing, then drain and unload old pairs."""
-        added = [(a, e) for a, entries in new.items() for e, _ in entries
-                 if e not in self.holders.get(a, set())]
+        """Ensure new pairs, switch routing, then drain and unload old pairs
+        (cluster/migration.py decides each)."""
+        added = migration.to_ensure(new, self.holders)
         results = await asyncio.gather(*(self.ensure(a, e) for a, e in added),
                                        return_exceptions=True)
         failed = {pair for pair, r in zip(added, results, strict=True)
@@ -221,16 +211,9 @@ class RouterCore:
                 self._reject(a, str(r))
             elif isinstance(r, Exception):
                 logger.error("could not place adapter %s on engine %s: %s", a, e, r)
-        # Route only to pairs that hold the adapter now (a drain may have ended
-        # during the loads); keep the old route if none does.
-        routed = {}
-        for a, entries in new.items():
-            if a not in self.catalog:
-                continue
-            kept = [(e, p) for e, p in entries if e in self.holders.get(a, ())]
-            total = sum(p for _, p in kept)
-            routed[a] = ([(e, p / total) for e, p in kept] if kept
-                         else self.assignment.get(a, []))
+        # Holders as they are now: failed loads, and drains that ended during
+        # the loads, are not routed to.
+        routed = migration.route(new, self.holders, self.assignment, self.catalog)
         self.assignment = routed
         self.routing = RoutingTable(routed)
         self.metrics.migrations.inc(len(added) - len(failed))
@@ -238,10 +221,8 @@ class RouterCore:
         for a, entries in routed.items():
             for e, p in entries:
                 self.metrics.phi.labels(a, str(e)).set(p)
-        for a, engines in self.holders.items():
-            wanted = {e for e, _ in routed.get(a, [])}
-            for e in sorted(engines - wanted):
-                self._spawn(self._drain_and_unload(a, e))
+        for a, e in migration.to_unload(routed, self.holders):
+            self._spawn(self._drain_and_unload(a, e))
         return len(added) - len(failed)
 
     async def ensure(self, adapter: str, engine: int) -> None:

@@ -8,25 +8,17 @@ into an engine's store. `local`: a directory of PEFT adapter directories.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Protocol
 
-from vllm_loraserve.adapters.peft import AdapterError, inspect_adapter
+from vllm_loraserve.adapters.directory import scan_adapter_dirs
+from vllm_loraserve.adapters.record import AdapterRecord
 from vllm_loraserve.cluster.store import AdapterStore, check_name
-from vllm_loraserve.frontend.catalog import scan_adapter_dir
-
-
-@dataclass(frozen=True)
-class SourceEntry:
-    name: str
-    rank: int
-    size_bytes: int
 
 
 class AdapterSource(Protocol):
     name: str
 
-    def scan(self) -> tuple[list[SourceEntry], dict[str, str]]:
+    def scan(self) -> tuple[list[AdapterRecord], dict[str, str]]:
         """(valid adapters, invalid name -> reason)."""
         ...
 
@@ -42,23 +34,8 @@ class LocalDirSource:
     def __init__(self, location: str) -> None:
         self.roots = [r for r in location.split(os.pathsep) if r]
 
-    def scan(self) -> tuple[list[SourceEntry], dict[str, str]]:
-        valid, invalid, seen = [], {}, set()
-        for root in self.roots:
-            if not os.path.isdir(root):
-                continue
-            for name, path in scan_adapter_dir(root):
-                if name in seen:
-                    continue
-                seen.add(name)
-                try:
-                    check_name(name)
-                    spec = inspect_adapter(path)
-                except (AdapterError, ValueError) as e:
-                    invalid[name] = str(e)
-                    continue
-                valid.append(SourceEntry(name, spec.rank, spec.size_bytes))
-        return valid, invalid
+    def scan(self) -> tuple[list[AdapterRecord], dict[str, str]]:
+        return scan_adapter_dirs(self.roots)
 
     def copy_to(self, adapter: str, store: AdapterStore) -> None:
         for root in self.roots:

@@ -24,8 +24,8 @@ from typing import Any
 
 from vllm_loraserve.adapters.peft import (
     AdapterError,
-    AdapterSpec,
     ModelLoRAInfo,
+    PeftSpec,
     check_against_model,
     check_finite_weights,
     inspect_adapter,
@@ -43,7 +43,7 @@ class AdapterEntry:
     name: str
     path: str
     source: str  # "lora-modules" | "adapter-dir" | "runtime"
-    spec: AdapterSpec | None = None
+    spec: PeftSpec | None = None
     error: str | None = None
     lora_int_id: int | None = None
     residency: str = "disk"
@@ -68,17 +68,6 @@ class AdapterEntry:
             "residency": self.residency,
             **({"pages": self.pages} if self.pages is not None else {}),
         }
-
-
-def scan_adapter_dir(root: str) -> list[tuple[str, str]]:
-    """(name, path) for each visible sub-directory of `root`. One that holds no
-    adapter is catalogued as invalid (with the reason), not silently skipped."""
-    found = []
-    for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name)
-        if os.path.isdir(path) and not name.startswith("."):
-            found.append((name, path))
-    return found
 
 
 class AdapterCatalog:

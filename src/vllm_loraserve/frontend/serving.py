@@ -34,10 +34,12 @@ from http import HTTPStatus
 from typing import Any
 
 from vllm_loraserve._patching import wrap
+from vllm_loraserve.adapters.directory import scan_adapter_dir
 from vllm_loraserve.adapters.peft import ModelLoRAInfo
 from vllm_loraserve.adapters.safety import PathOutsideRoots, check_name, resolve_under_roots
 from vllm_loraserve.config import from_vllm_config
-from vllm_loraserve.frontend.catalog import AdapterCatalog, scan_adapter_dir
+from vllm_loraserve.frontend import errors
+from vllm_loraserve.frontend.catalog import AdapterCatalog
 
 logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
 
@@ -62,7 +64,8 @@ def _error(message: str, err_type: str, status: HTTPStatus, param: str = "model"
 
 
 def _bad_adapter(name: str, reason: str) -> Any:
-    return _error(_bad_adapter_message(name, reason), "BadRequestError", HTTPStatus.BAD_REQUEST)
+    return _error(_bad_adapter_message(name, reason), errors.ADAPTER_INVALID,
+                  HTTPStatus.BAD_REQUEST)
 
 
 def _reserved_names(models: Any) -> set[str]:
@@ -123,8 +126,13 @@ def _make_load_lora_adapter(load_lora_adapter):
                 return _error(f"LoRA adapter '{name}' refused: {e}", "PermissionDenied",
                               HTTPStatus.FORBIDDEN, "lora_path")
         if name in self.lora_requests and not request.load_inplace:
-            # vLLM refuses the duplicate; the served version's entry stays as it is.
-            return await load_lora_adapter(self, request, base_model_name)
+            # vLLM refuses the duplicate (its message, our type); the served
+            # version's entry stays as it is.
+            result = await load_lora_adapter(self, request, base_model_name)
+            if isinstance(result, ErrorResponse):
+                return _error(result.error.message, errors.ADAPTER_LOADED,
+                              HTTPStatus.BAD_REQUEST, "lora_name")
+            return result
         entry = await catalog.inspect(name, request.lora_path, loraserve_source,
                                       read_weights=True)
         keep_invalid = loraserve_source != "runtime"  # configured ones stay listed

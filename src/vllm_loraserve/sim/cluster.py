@@ -1,14 +1,17 @@
-"""Discrete-event simulation of K engines behind a router.
+"""Discrete-event simulation of K engines (perf/engine.py) behind a router.
 
-Routing uses the same policy objects as the real router
-(cluster/placement): requests go to an engine drawn with the adapter's phi,
-or, for `toppings`, to the engine with the lowest cost score. Every
-`rebalance_s` the router closes a demand window (cluster/demand.py),
-recomputes the placement with the previous one as a hint, and migrates: each
-engine that newly holds an adapter fetches it, and routing switches once all
-those fetches are done (no request is routed to an engine before its adapter
-has arrived). The initial placement assumes equal demand for every adapter,
-or (`warm_start_s`) the demand of the trace's first seconds.
+The router's logic is the router's own code: the placement policies
+(cluster/placement), the routing table (requests go to an engine drawn with
+the adapter's phi, or, for `toppings`, to the engine with the lowest cost
+score), the demand tracker, and the migration planner (cluster/migration.py).
+Every `rebalance_s` the router closes a demand window, places with the
+previous assignment as a hint, and migrates as the router does: each pair the
+planner says to ensure is fetched, routing switches once all those fetches
+are done (no request goes to an engine before its adapter has arrived), and
+the pairs routing left are drained (their requests here finish) and then
+unloaded from the engine's host and device memory. Unlike the router, a
+drain has no timeout. The initial placement assumes equal demand for every
+adapter, or (`warm_start_s`) the demand of the trace's first seconds.
 
 Engines start with their initially placed adapters in host memory; a request
 for an adapter an engine does not hold makes it fetch the adapter first.
@@ -23,13 +26,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm_loraserve.adapters.record import AdapterRecord
+from vllm_loraserve.cluster import migration
 from vllm_loraserve.cluster.demand import DemandTracker
-from vllm_loraserve.cluster.placement import PlacementInput, get_policy
-from vllm_loraserve.cluster.placement.toppings import ToppingsRouter
+from vllm_loraserve.cluster.placement import Assignment, get_policy
+from vllm_loraserve.cluster.placement.toppings import EngineView, ToppingsRouter
 from vllm_loraserve.cluster.routing import RoutingTable
+from vllm_loraserve.perf.engine import EngineConfig, SimEngine, SimRequest
 from vllm_loraserve.perf.model import Profile
-from vllm_loraserve.sim.engine import EngineConfig, SimEngine, SimRequest
-from vllm_loraserve.workloads.trace import AdapterSpec, Request
+from vllm_loraserve.workloads.trace import Request
 
 _ARRIVAL, _STEP_DONE, _FETCHED, _REBALANCE, _SWITCH = range(5)
 
@@ -58,6 +63,7 @@ class SimResult:
     on_demand_fetches: int  # fetches a request had to wait for
     end_time: float
     rejected: list[Request]
+    assignment: Assignment  # the routing at the end
 
     def finished(self) -> list[SimRequest]:
         return [r for r in self.requests if r.finish >= 0]
@@ -104,7 +110,15 @@ class SimResult:
         return float(np.percentile(t, 95)) if t else 0.0
 
 
-def simulate(trace: Sequence[Request], catalog: Sequence[AdapterSpec], profile: Profile,
+def _view(e: SimEngine) -> EngineView:
+    return EngineView(
+        running=len(e.running), running_rank_sum=e.running_rank_sum,
+        running_rank_max=max(e.running_ranks, default=0), queued=len(e.waiting),
+        queued_rank_sum=e.queued_rank_sum, queued_rank_max=max(e.queued_ranks, default=0),
+        queued_prompt_tokens=e.queued_prompt_tokens, queued_prompt_lora=e.queued_prompt_lora)
+
+
+def simulate(trace: Sequence[Request], catalog: Sequence[AdapterRecord], profile: Profile,
              config: ClusterConfig) -> SimResult:
     """Run the trace to completion (or `max_time_s`) and return what happened."""
     if not profile.operating_points:
@@ -115,7 +129,7 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterSpec], profile: 
     rank_of = {a.name: a.rank for a in catalog}
     policy = get_policy(config.policy, config.seed)
     ops = profile.operating_points
-    initial = dict.fromkeys(rank_of, 1.0)
+    initial = None  # a cold placement
     if config.warm_start_s > 0:
         initial = dict.fromkeys(rank_of, 0.0)
         for req in trace:
@@ -123,11 +137,13 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterSpec], profile: 
                 break
             initial[req.adapter] += (req.prompt_len + req.output_len) / config.warm_start_s
     padded = profile.step.kind == "bgmv"
-    assignment = policy.place(PlacementInput(catalog, initial, k, ops, padded=padded,
-                                             cold=config.warm_start_s <= 0))
+    ids = list(range(k))
+    assignment = migration.place(policy, rank_of, initial, ids, {}, ops, padded)
+    holders = {name: {s for s, _ in entries} for name, entries in assignment.items()}
     for name, entries in assignment.items():
         for s, _ in entries:
             engines[s].preload(name, rank_of[name])
+    draining: set[tuple[str, int]] = set()
     table = RoutingTable(assignment)
     toppings = (ToppingsRouter(profile.step, config.tbt_slo_s,
                                float(np.mean([r.output_len for r in trace])) if trace else 1.0)
@@ -148,20 +164,25 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterSpec], profile: 
 
     states = [SimRequest(r) for r in trace]
     rejected: list[Request] = []
-    pending_steps: dict[int, tuple] = {}
     migrations = rebalances = on_demand_fetches = 0
     remaining = len(trace)
     now = 0.0
 
-    def kick(e: SimEngine, t: float) -> None:
-        if e.busy or not e.has_work():
+    def unload_if_drained(name: str, s: int) -> None:
+        """The router's drain: unload once no request here uses the adapter,
+        unless routing names the pair again by then."""
+        if engines[s].in_use[name]:
+            draining.add((name, s))
             return
-        duration, decode, chunks = e.build_step()
-        e.busy = True
-        e.steps += 1
-        e.busy_time += duration
-        pending_steps[e.index] = (decode, chunks)
-        push(t + duration, _STEP_DONE, e.index)
+        draining.discard((name, s))
+        if s not in table.engines(name):
+            holders[name].discard(s)
+            engines[s].unload(name)
+
+    def kick(e: SimEngine, t: float) -> None:
+        end = e.start_step(t)
+        if end is not None:
+            push(end, _STEP_DONE, e.index)
 
     while events and remaining:
         now, _, kind, data = heapq.heappop(events)
@@ -178,7 +199,7 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterSpec], profile: 
             demand.record(req.adapter, req.prompt_len + req.output_len)
             if toppings is not None:
                 s = toppings.route(req.rank, req.prompt_len, table.engines(req.adapter),
-                                   {i: engines[i].view() for i in table.engines(req.adapter)})
+                                   {i: _view(engines[i]) for i in table.engines(req.adapter)})
             else:
                 s = table.pick(req.adapter, rng.random())
             e = engines[s]
@@ -189,9 +210,11 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterSpec], profile: 
             kick(e, now)
         elif kind == _STEP_DONE:
             e = engines[data]
-            decode, chunks = pending_steps.pop(data)
-            remaining -= len(e.finish_step(now, decode, chunks))
-            e.busy = False
+            done = e.end_step(now)
+            remaining -= len(done)
+            for name in {r.req.adapter for r in done}:
+                if (name, e.index) in draining:
+                    unload_if_drained(name, e.index)
             kick(e, now)
         elif kind == _FETCHED:
             s, adapter = data
@@ -199,22 +222,26 @@ def simulate(trace: Sequence[Request], catalog: Sequence[AdapterSpec], profile: 
             kick(engines[s], now)
         elif kind == _REBALANCE:
             demand.roll()
-            new = policy.place(PlacementInput(catalog, demand.estimate(), k, ops, assignment,
-                                              padded=padded))
+            new = migration.place(policy, rank_of, demand.estimate(), ids, assignment, ops,
+                                  padded)
             rebalances += 1
+            ensure = migration.to_ensure(new, holders)
             ready = now
-            for name, entries in new.items():
-                old = {s for s, _ in assignment[name]}
-                for s, _ in entries:
-                    if s not in old:
-                        migrations += 1
-                        t = engines[s].fetch(name, rank_of[name], now)
-                        if t > now:
-                            push(t, _FETCHED, (s, name))
-                        ready = max(ready, t)
-            push(ready, _SWITCH, new)
-            assignment = new
+            for name, s in ensure:
+                migrations += 1
+                t = engines[s].fetch(name, rank_of[name], now)
+                if t > now:
+                    push(t, _FETCHED, (s, name))
+                ready = max(ready, t)
+            push(ready, _SWITCH, (new, ensure))
             push(now + config.rebalance_s, _REBALANCE, None)
         elif kind == _SWITCH:
-            table = RoutingTable(data)
-    return SimResult(states, engines, migrations, rebalances, on_demand_fetches, now, rejected)
+            new, ensured = data
+            for name, s in ensured:
+                holders[name].add(s)
+            assignment = migration.route(new, holders, assignment, rank_of)
+            table = RoutingTable(assignment)
+            for name, s in migration.to_unload(assignment, holders):
+                unload_if_drained(name, s)
+    return SimResult(states, engines, migrations, rebalances, on_demand_fetches, now, rejected,
+                     assignment)

@@ -32,7 +32,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from vllm_loraserve.workloads.trace import AdapterSpec, Request
+from vllm_loraserve.adapters.record import AdapterRecord
+from vllm_loraserve.workloads.trace import Request
 
 LORASERVE_RANKS = (8, 16, 32, 64, 128)
 RANK_POPULARITIES = ("uniform", "shifting", "exponential", "powerlaw")
@@ -42,10 +43,10 @@ AZURE_CONV = os.path.join(os.path.dirname(__file__), "data", "azure_conv_2023.cs
 def slora(num_adapters: int, *, ranks: Sequence[int] = LORASERVE_RANKS, alpha: float = 1.0,
           rate: float = 1.0, cv: float = 1.0, duration: float = 60.0,
           input_range: tuple[int, int] = (8, 512), output_range: tuple[int, int] = (8, 512),
-          seed: int = 42) -> tuple[list[AdapterSpec], list[Request]]:
+          seed: int = 42) -> tuple[list[AdapterRecord], list[Request]]:
     if alpha <= 0 or rate <= 0 or cv <= 0 or num_adapters <= 0:
         raise ValueError("num_adapters, alpha, rate and cv must be positive")
-    catalog = [AdapterSpec(f"slora-{i:04d}-r{ranks[i % len(ranks)]}", ranks[i % len(ranks)])
+    catalog = [AdapterRecord(f"slora-{i:04d}-r{ranks[i % len(ranks)]}", ranks[i % len(ranks)])
                for i in range(num_adapters)]
     rs = np.random.RandomState(seed)  # S-LoRA seeds numpy's global (legacy) generator
     n = int(rate * duration)
@@ -59,11 +60,11 @@ def slora(num_adapters: int, *, ranks: Sequence[int] = LORASERVE_RANKS, alpha: f
 
 
 def loraserve_catalog(num_adapters: int, ranks: Sequence[int] = LORASERVE_RANKS
-                      ) -> list[AdapterSpec]:
+                      ) -> list[AdapterRecord]:
     """`num_adapters` split as evenly as possible over the ranks."""
     per_rank = [num_adapters // len(ranks) + (k < num_adapters % len(ranks))
                 for k in range(len(ranks))]
-    return [AdapterSpec(f"r{rank}-{j:03d}", rank)
+    return [AdapterRecord(f"r{rank}-{j:03d}", rank)
             for rank, count in zip(ranks, per_rank, strict=True) for j in range(count)]
 
 
@@ -91,9 +92,9 @@ def rank_shares(popularity: str, ranks: Sequence[int], progress: np.ndarray,
     return np.broadcast_to(base / base.sum(), (len(progress), k))
 
 
-def assign_adapters(rng: np.random.Generator, catalog: Sequence[AdapterSpec],
+def assign_adapters(rng: np.random.Generator, catalog: Sequence[AdapterRecord],
                     arrivals: np.ndarray, popularity: str, alpha: float,
-                    rank_alpha: float = 1.0) -> list[AdapterSpec]:
+                    rank_alpha: float = 1.0) -> list[AdapterRecord]:
     """Adapter of each request: a rank by its share at that time, then an
     adapter of that rank with weight (j+1)^-alpha."""
     ranks = sorted({a.rank for a in catalog})
@@ -104,7 +105,7 @@ def assign_adapters(rng: np.random.Generator, catalog: Sequence[AdapterSpec],
     shares = rank_shares(popularity, ranks, progress, rank_alpha)
     u = rng.random(len(arrivals))
     rank_idx = np.minimum((u[:, None] > np.cumsum(shares, axis=1)).sum(axis=1), len(ranks) - 1)
-    out: list[AdapterSpec] = [None] * len(arrivals)  # type: ignore[list-item]
+    out: list[AdapterRecord] = [None] * len(arrivals)  # type: ignore[list-item]
     for k, rank in enumerate(ranks):
         rows = np.flatnonzero(rank_idx == k)
         w = within[rank]
@@ -134,7 +135,7 @@ def loraserve(num_adapters: int = 100, *, popularity: str = "uniform", arrival: 
               rate: float = 1.0, duration: float = 60.0, alpha: float = 1.0,
               rank_alpha: float = 1.0, input_range: tuple[int, int] = (8, 512),
               output_range: tuple[int, int] = (8, 512), lengths_from: str | None = None,
-              seed: int = 0) -> tuple[list[AdapterSpec], list[Request]]:
+              seed: int = 0) -> tuple[list[AdapterRecord], list[Request]]:
     rng = np.random.default_rng(seed)
     n = int(rate * duration)
     if arrival == "poisson":
@@ -160,7 +161,7 @@ def azure(num_adapters: int = 100, *, rate: float = 1.0, path: str = AZURE_CONV,
           duration: float | None = None, popularity: str = "uniform", alpha: float = 1.0,
           rank_alpha: float = 1.0, max_prompt_len: int | None = None,
           max_output_len: int | None = None, seed: int = 0
-          ) -> tuple[list[AdapterSpec], list[Request]]:
+          ) -> tuple[list[AdapterRecord], list[Request]]:
     """Real arrivals rescaled so the trace's mean rate is `rate` requests/s,
     cut at `duration` seconds (after rescaling) if given. Lengths above the
     maxima are clipped (a small model's context may not hold the trace's)."""

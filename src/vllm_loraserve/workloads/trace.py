@@ -5,14 +5,14 @@ A trace is JSONL, one request per line:
     {"request_id": 0, "arrival_s": 0.41, "adapter": "a003-r16", "rank": 16,
      "prompt_len": 212, "output_len": 37}
 
-`arrival_s` is seconds from the start, non-decreasing. An adapter catalogue is
-a JSON list of {"name", "rank"}; `loraserve place` reads the same format.
+`arrival_s` is seconds from the start, non-decreasing. The adapters a trace
+names are listed in a catalogue file (adapters/record.py).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 
@@ -24,12 +24,6 @@ class Request:
     rank: int
     prompt_len: int
     output_len: int
-
-
-@dataclass(frozen=True)
-class AdapterSpec:
-    name: str
-    rank: int
 
 
 def write_trace(path: str, requests: Iterable[Request]) -> None:
@@ -46,18 +40,3 @@ def read_trace(path: str) -> list[Request]:
             raise ValueError(f"{path}: arrivals must not decrease (request {b.request_id})")
     return requests
 
-
-def write_catalog(path: str, adapters: Sequence[AdapterSpec]) -> None:
-    with open(path, "w") as f:
-        json.dump([asdict(a) for a in adapters], f, indent=1)
-
-
-def read_catalog(path: str) -> list[AdapterSpec]:
-    with open(path) as f:
-        raw = json.load(f)
-    if not isinstance(raw, list):
-        raise ValueError(f"{path}: an adapter catalogue is a JSON list of {{name, rank}}")
-    adapters = [AdapterSpec(str(a["name"]), int(a["rank"])) for a in raw]
-    if len({a.name for a in adapters}) != len(adapters):
-        raise ValueError(f"{path}: adapter names must be unique")
-    return adapters

@@ -19,14 +19,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from vllm_loraserve.workloads.trace import AdapterSpec
+from vllm_loraserve.adapters.record import AdapterRecord
 
 Assignment = dict[str, list[tuple[int, float]]]
 
 
 @dataclass(frozen=True)
 class PlacementInput:
-    adapters: Sequence[AdapterSpec]
+    adapters: Sequence[AdapterRecord]
     demand: Mapping[str, float]  # tokens/s (prompt + output) per adapter; missing = 0
     num_servers: int
     operating_points: Mapping[int, float]  # rank -> tokens/s one server sustains in SLO
@@ -46,7 +46,7 @@ class PlacementPolicy(Protocol):
     def place(self, inp: PlacementInput) -> Assignment: ...
 
 
-def check_assignment(assignment: Assignment, adapters: Sequence[AdapterSpec],
+def check_assignment(assignment: Assignment, adapters: Sequence[AdapterRecord],
                      num_servers: int, tol: float = 1e-9) -> None:
     """Raise ValueError naming the first broken invariant."""
     names = {a.name for a in adapters}
@@ -65,7 +65,7 @@ def check_assignment(assignment: Assignment, adapters: Sequence[AdapterSpec],
             raise ValueError(f"adapter {name}: phi sums to {sum(p for _, p in entries)}")
 
 
-def server_loads(assignment: Assignment, adapters: Sequence[AdapterSpec],
+def server_loads(assignment: Assignment, adapters: Sequence[AdapterRecord],
                  demand: Mapping[str, float], operating_points: Mapping[int, float]
                  ) -> list[float]:
     """Each server's utilisation: sum of phi * demand / operating point."""

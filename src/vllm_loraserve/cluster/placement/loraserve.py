@@ -48,8 +48,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from vllm_loraserve.adapters.record import AdapterRecord
 from vllm_loraserve.cluster.placement.base import Assignment, PlacementInput
-from vllm_loraserve.workloads.trace import AdapterSpec
 
 _EPS = 1e-12
 
@@ -172,7 +172,7 @@ class LoRAServePlacement:
         k = inp.num_servers
         util = {a.name: max(0.0, inp.demand.get(a.name, 0.0)) / inp.operating_points[a.rank]
                 for a in inp.adapters}
-        by_rank: dict[int, list[AdapterSpec]] = {}
+        by_rank: dict[int, list[AdapterRecord]] = {}
         for a in inp.adapters:
             by_rank.setdefault(a.rank, []).append(a)
         rank_util = {r: sum(util[a.name] for a in v) for r, v in by_rank.items()}

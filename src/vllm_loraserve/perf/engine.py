@@ -1,5 +1,8 @@
-"""One simulated engine: continuous batching with a token budget (vLLM v1's
-policy), step times from a profile's step model, adapter fetch and load costs.
+"""One engine under load, simulated: continuous batching with a token budget
+(vLLM v1's policy), step times from a profile's step model, adapter fetch and
+load costs. The per-rank operating points (operating.py) are found with one
+of these alone; the cluster simulator (sim/cluster.py) runs K of them behind
+the router's logic.
 
 A step first gives one token to every decoding request, then spends the rest
 of the token budget on prompt chunks: requests already prefilling first, then
@@ -19,7 +22,6 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
-from vllm_loraserve.cluster.placement.toppings import EngineView
 from vllm_loraserve.perf.model import Profile
 from vllm_loraserve.workloads.trace import Request
 
@@ -57,6 +59,10 @@ class LRUBytes:
     def touch(self, name: str) -> None:
         self.items.move_to_end(name)
 
+    def remove(self, name: str) -> None:
+        if name in self.items:
+            self.used -= self.items.pop(name)
+
     def add(self, name: str, size: float, pinned: set[str]) -> None:
         """Insert (most recent) and evict unpinned LRU entries to fit."""
         if name in self.items:
@@ -77,20 +83,20 @@ class SimEngine:
         self.model = profile.step
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
-        self.busy = False
         self.host = LRUBytes(config.host_bytes)
         self.gpu = LRUBytes(config.gpu_adapter_bytes)
         self.fetch_ready: dict[str, float] = {}  # adapter -> time its fetch completes
         self.link_free_at = 0.0
         self.kv_reserved = 0
         self.in_use: Counter[str] = Counter()  # adapter -> requests waiting or running here
-        # aggregates for routers (EngineView)
-        self._run_ranks: Counter[int] = Counter()
-        self._queue_ranks: Counter[int] = Counter()
-        self._run_rank_sum = 0
-        self._queue_rank_sum = 0
-        self._queue_prompt = 0
-        self._queue_prompt_lora = 0.0
+        self._step: tuple[list[SimRequest], list[tuple[SimRequest, int]]] | None = None
+        # load aggregates a router reads (Toppings' EngineView)
+        self.running_ranks: Counter[int] = Counter()
+        self.queued_ranks: Counter[int] = Counter()
+        self.running_rank_sum = 0
+        self.queued_rank_sum = 0
+        self.queued_prompt_tokens = 0
+        self.queued_prompt_lora = 0.0
         # statistics
         self.steps = 0
         self.busy_time = 0.0
@@ -123,29 +129,44 @@ class SimEngine:
         """Place an adapter in host memory at no cost (initial placement)."""
         self.host.add(adapter, self.profile.adapter_bytes(rank), set(self.in_use))
 
+    def unload(self, adapter: str) -> None:
+        """Drop the adapter from host and device memory (no request uses it)."""
+        assert not self.in_use[adapter], "unload only a drained adapter"
+        self.host.remove(adapter)
+        self.gpu.remove(adapter)
+
     # -- requests -----------------------------------------------------------
     def enqueue(self, r: SimRequest) -> None:
         r.engine = self.index
         self.waiting.append(r)
         self.in_use[r.req.adapter] += 1
         self.adapters_seen.add(r.req.adapter)
-        self._queue_ranks[r.req.rank] += 1
-        self._queue_rank_sum += r.req.rank
-        self._queue_prompt += r.req.prompt_len
-        self._queue_prompt_lora += r.req.prompt_len * r.req.rank
-
-    def view(self) -> EngineView:
-        return EngineView(
-            running=len(self.running), running_rank_sum=self._run_rank_sum,
-            running_rank_max=max(self._run_ranks, default=0), queued=len(self.waiting),
-            queued_rank_sum=self._queue_rank_sum, queued_rank_max=max(self._queue_ranks, default=0),
-            queued_prompt_tokens=self._queue_prompt, queued_prompt_lora=self._queue_prompt_lora)
+        self.queued_ranks[r.req.rank] += 1
+        self.queued_rank_sum += r.req.rank
+        self.queued_prompt_tokens += r.req.prompt_len
+        self.queued_prompt_lora += r.req.prompt_len * r.req.rank
 
     def has_work(self) -> bool:
         """Something to compute now (a waiting request whose adapter is here)."""
         return bool(self.running) or any(r.req.adapter in self.host for r in self.waiting)
 
     # -- steps --------------------------------------------------------------
+    def start_step(self, now: float) -> float | None:
+        """Start the next step if idle with work; returns when it ends."""
+        if self._step is not None or not self.has_work():
+            return None
+        duration, decode, chunks = self.build_step()
+        self._step = (decode, chunks)
+        self.steps += 1
+        self.busy_time += duration
+        return now + duration
+
+    def end_step(self, now: float) -> list[SimRequest]:
+        """End the running step at `now`; returns the requests it finished."""
+        decode, chunks = self._step
+        self._step = None
+        return self.finish_step(now, decode, chunks)
+
     def build_step(self) -> tuple[float, list[SimRequest], list[tuple[SimRequest, int]]]:
         """(duration, decoding requests, (request, prompt tokens) chunks)."""
         budget = self.profile.max_batched_tokens
@@ -195,14 +216,14 @@ class SimEngine:
         self.running.append(r)
         self.kv_reserved += need
         req = r.req
-        self._queue_ranks[req.rank] -= 1
-        if not self._queue_ranks[req.rank]:
-            del self._queue_ranks[req.rank]
-        self._queue_rank_sum -= req.rank
-        self._queue_prompt -= req.prompt_len
-        self._queue_prompt_lora -= req.prompt_len * req.rank
-        self._run_ranks[req.rank] += 1
-        self._run_rank_sum += req.rank
+        self.queued_ranks[req.rank] -= 1
+        if not self.queued_ranks[req.rank]:
+            del self.queued_ranks[req.rank]
+        self.queued_rank_sum -= req.rank
+        self.queued_prompt_tokens -= req.prompt_len
+        self.queued_prompt_lora -= req.prompt_len * req.rank
+        self.running_ranks[req.rank] += 1
+        self.running_rank_sum += req.rank
         self.host.touch(req.adapter)
         if req.adapter in self.gpu:
             self.gpu.touch(req.adapter)
@@ -234,8 +255,8 @@ class SimEngine:
             self.in_use[r.req.adapter] -= 1
             if not self.in_use[r.req.adapter]:
                 del self.in_use[r.req.adapter]
-            self._run_ranks[r.req.rank] -= 1
-            self._run_rank_sum -= r.req.rank
-            if not self._run_ranks[r.req.rank]:
-                del self._run_ranks[r.req.rank]
+            self.running_ranks[r.req.rank] -= 1
+            self.running_rank_sum -= r.req.rank
+            if not self.running_ranks[r.req.rank]:
+                del self.running_ranks[r.req.rank]
         return done
