@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -119,10 +120,11 @@ class MultiAdapterTrainer:
 
     def step(self, train: Sequence[Sample], infer: Sequence[InferenceSample] = (),
              reuse_kv: bool = True) -> StepResult:
-        for s in train:
-            for n in s.mix:
-                if s.mix[n] > 0 and self.remaining(n) <= 0:
-                    raise ValueError(f"sample past adapter {n}'s step boundary")
+        per_adapter = Counter(n for s in train for n, w in s.mix.items() if w > 0)
+        for n, count in per_adapter.items():
+            if count > self.remaining(n):
+                raise ValueError(f"{count} samples of adapter {n} in one batch, but its "
+                                 f"optimizer steps after {self.remaining(n)} more")
         times, t0 = {}, time.perf_counter()
         batch = MixedBatch.build(train, infer, self.slot_of, self.pad_id, self.device)
         self.state.routing = batch.routing
