@@ -9,7 +9,8 @@ import pytest
 from vllm_loraserve.adapters.safety import PathOutsideRoots, check_name, resolve_under_roots
 
 
-@pytest.mark.parametrize("name", ["a", "adapter-004-r128", "A.b_c-1", "x" * 200])
+@pytest.mark.parametrize("name", ["a", "adapter-004-r128", "A.b_c-1", "x" * 200,
+                                  "a@12", "a.b@v1-rc"])
 def test_safe_names(name):
     assert check_name(name, reserved={"tiny"}) == name
 
@@ -21,6 +22,10 @@ def test_safe_names(name):
     ("a\\b", "invalid adapter name"),
     ("bad\nname", "invalid adapter name"),
     ("tab\tname", "invalid adapter name"),
+    ("@a", "invalid adapter name"),
+    ("a@", "invalid adapter name"),
+    ("a@1@2", "invalid adapter name"),
+    ("a@../x", "invalid adapter name"),
     ("x" * 201, "201 characters: at most 200"),
     ("x" * 10_000, "10000 characters"),
     ("", "non-empty string"),

@@ -5,8 +5,10 @@ Adapter names come from the network (`/v1/load_lora_adapter`, the router's
 paths from the network are read by the server. Both are checked here, by the
 plugin server and the router alike:
 - a name is a plain identifier: letters, digits, `.`, `_`, `-`, starting
-  with a letter or digit, at most 200 characters (so no path separator, `..`
-  or control character), and not a served base model's name;
+  with a letter or digit, optionally followed by one `@version` of the same
+  characters (`name@step`, a published training version), at most 200
+  characters (so no path separator, `..` or control character), and not a
+  served base model's name;
 - a path must resolve (symlinks and `..` followed) inside one of the
   configured adapter roots.
 """
@@ -18,7 +20,7 @@ import re
 from collections.abc import Collection
 
 MAX_NAME_LENGTH = 200
-_NAME = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NAME_LENGTH - 1}}}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
 
 class PathOutsideRoots(ValueError):
@@ -34,7 +36,7 @@ def check_name(name: object, reserved: Collection[str] = ()) -> str:
                          f"{MAX_NAME_LENGTH} are allowed")
     if not _NAME.match(name):
         raise ValueError(f"invalid adapter name {name!r}: use letters, digits, '.', '_' and "
-                         "'-', starting with a letter or digit")
+                         "'-', starting with a letter or digit, and at most one '@version'")
     if name in reserved:
         raise ValueError(f"invalid adapter name {name!r}: it is the name of a served base "
                          "model")

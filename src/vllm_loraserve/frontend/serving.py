@@ -23,7 +23,14 @@ With the plugin active:
   first request fails, and that request's error names it
   (`note_engine_failure`);
 - `/v1/unload_lora_adapter` also frees the worker's copy (vLLM alone only
-  forgets the name).
+  forgets the name);
+- loading a versioned name `name@version` (vllm_loraserve.train publishes
+  them) moves the alias `name` to it, unless `name` is an adapter of its own.
+  The alias is one more key of vLLM's `lora_requests` for the same
+  LoRARequest, resolved once per request at admission
+  (`_maybe_get_adapters`): a request in flight keeps the version it started
+  with, later ones get the new one. Unloading the version the alias points
+  to moves it to the newest version left, or removes it.
 """
 
 from __future__ import annotations
@@ -148,9 +155,29 @@ def _make_load_lora_adapter(load_lora_adapter):
             return _bad_adapter(name, result.error.message)
         catalog.record(entry)
         catalog.bind(name, self.lora_requests[name].lora_int_id)
+        alias = name.partition("@")[0]
+        if alias != name and alias not in catalog.entries:
+            self.lora_requests[alias] = self.lora_requests[name]
+            logger.info("LoRA alias '%s' now serves '%s'", alias, name)
         return result
 
     return patched
+
+
+def _repoint_alias(models: Any, catalog: AdapterCatalog, unloaded: str) -> None:
+    """After `unloaded` (a versioned name) is gone: its alias moves to the
+    newest (last loaded) version left, or is removed."""
+    alias = unloaded.partition("@")[0]
+    current = models.lora_requests.get(alias)
+    if alias == unloaded or alias in catalog.entries or current is None or \
+            current.lora_name != unloaded:
+        return
+    left = [r for n, r in models.lora_requests.items()
+            if n != alias and n.partition("@")[0] == alias]
+    if left:
+        models.lora_requests[alias] = max(left, key=lambda r: r.lora_int_id)
+    else:
+        del models.lora_requests[alias]
 
 
 def _make_init_static_loras(init_static_loras):
@@ -210,9 +237,13 @@ def _make_unload_lora_adapter(unload_lora_adapter):
         if served is None and catalog.invalid_reason(name) is not None:
             catalog.forget(name)
             return f"Success: invalid LoRA adapter '{name}' removed."
+        if served is not None and served.lora_name != name:  # an alias: its version stays
+            del self.lora_requests[name]
+            return f"Success: LoRA alias '{name}' removed."
         result = await unload_lora_adapter(self, request)
         if not isinstance(result, ErrorResponse):
             catalog.forget(name)
+            _repoint_alias(self, catalog, name)
             await self.engine_client.remove_lora(served.lora_int_id)
         return result
 

@@ -6,6 +6,15 @@ A backend computes, for one vLLM LoRA layer (`ModuleSlices`) and one step:
     expand: y[t, cols(s)] += h[s, t, :rank] @ Bt_{slot(t), s}
 
 for every token t with an adapter; tokens without one are never touched.
+Training (vllm_loraserve.train) adds the backward of both, each slot at its
+own rank:
+
+    expand_grad_h: dh[s, t, :rank] = dy[t, cols(s)] @ Bt_{slot(t), s}.T
+    shrink_grad_x: dx[t] += sum_s dh[s, t, :rank] @ A_{slot(t), s}
+    grad_pool:     dA_{slot, s} += dh[s, toks].T @ x[toks]
+                   dBt_{slot, s} += h[s, toks].T @ dy[toks, cols(s)]
+
+where the weight gradients land in a tensor laid out as the pool (pages).
 Backends are chosen by name: `torch` (reference, CPU path) and `triton`
 (MBGMM/MBGMV on the GPU; on CPU only under TRITON_INTERPRET=1).
 """

@@ -2,7 +2,8 @@
 backend). The tests hold the kernels to it, and the engine's CPU path runs it.
 
 Per slot, it reads each needed segment back to a dense matrix
-(paging/layout.read_segment) and multiplies in fp32.
+(paging/layout.read_segment) and multiplies in fp32; the weight gradients go
+back into pages through `add_to_segment`, read_segment's transpose.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from vllm_loraserve.kernels.batch import ModuleSlices, SlotTable, TokenBatch
-from vllm_loraserve.paging.layout import LayerLayout, read_segment
+from vllm_loraserve.paging.layout import LayerLayout, add_to_segment, read_segment
 
 
 def _slot_groups(batch: TokenBatch, slots: SlotTable):
@@ -58,3 +59,53 @@ class TorchBackend:
                 bt = read_segment(layout, pages2d, slots.pages[slot], rank, off, seg)
                 delta = h[s, toks, :rank].float() @ bt.float()
                 y[toks, col:col + n_out] += delta.to(y.dtype)
+
+    def expand_grad_h(self, dy: torch.Tensor, pool: torch.Tensor, dh: torch.Tensor,
+                      batch: TokenBatch, slots: SlotTable, module: ModuleSlices,
+                      layout: LayerLayout) -> None:
+        """dh[s, t, :rank] = dy[t, slice s columns] @ Bt_{slot(t), s}.T; every
+        other entry of dh is 0 (the input gradient of `expand`)."""
+        pages2d = pool.view(-1, layout.page_size)
+        dh.zero_()
+        for slot, rank, offsets, toks in _slot_groups(batch, slots):
+            for s, (col, n_out) in enumerate(zip(module.out_offsets, module.out_features,
+                                                 strict=True)):
+                seg = 2 * (module.first + s) + 1
+                if offsets[seg] < 0:
+                    continue
+                bt = read_segment(layout, pages2d, slots.pages[slot], rank, offsets[seg], seg)
+                dh[s, toks, :rank] = dy[toks, col:col + n_out].float() @ bt.float().T
+
+    def shrink_grad_x(self, dh: torch.Tensor, pool: torch.Tensor, dx: torch.Tensor,
+                      batch: TokenBatch, slots: SlotTable, module: ModuleSlices,
+                      layout: LayerLayout) -> None:
+        """dx[t] += sum over slices s of dh[s, t, :rank] @ A_{slot(t), s} (the
+        input gradient of `shrink`); tokens without an adapter are left as
+        they are."""
+        pages2d = pool.view(-1, layout.page_size)
+        for slot, rank, offsets, toks in _slot_groups(batch, slots):
+            for s in range(module.count):
+                seg = 2 * (module.first + s)
+                if offsets[seg] < 0:
+                    continue
+                a = read_segment(layout, pages2d, slots.pages[slot], rank, offsets[seg], seg)
+                dx[toks] += (dh[s, toks, :rank].float() @ a.float()).to(dx.dtype)
+
+    def grad_pool(self, x: torch.Tensor, h: torch.Tensor, dy: torch.Tensor, dh: torch.Tensor,
+                  dpool: torch.Tensor, batch: TokenBatch, slots: SlotTable,
+                  module: ModuleSlices, layout: LayerLayout) -> None:
+        """The weight gradients, added into `dpool` (laid out as the pool):
+        A_{slot, s} += dh[s, toks, :rank].T @ x[toks] and Bt_{slot, s} +=
+        h[s, toks, :rank].T @ dy[toks, slice s columns], over each slot's
+        tokens in `batch`. Each slot costs its own rank."""
+        pages2d = dpool.view(-1, layout.page_size)
+        for slot, rank, offsets, toks in _slot_groups(batch, slots):
+            for s, (col, n_out) in enumerate(zip(module.out_offsets, module.out_features,
+                                                 strict=True)):
+                g = module.first + s
+                if offsets[2 * g] < 0:
+                    continue
+                grads = (dh[s, toks, :rank].T @ x[toks].float(),
+                         h[s, toks, :rank].T @ dy[toks, col:col + n_out].float())
+                for seg, rows in zip((2 * g, 2 * g + 1), grads, strict=True):
+                    add_to_segment(layout, pages2d, slots.pages[slot], offsets[seg], seg, rows)

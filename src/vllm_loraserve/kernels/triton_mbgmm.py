@@ -34,7 +34,7 @@ from vllm_loraserve.paging.layout import LayerLayout
 @triton.jit
 def _shrink_kernel(
     x_ptr, pool_ptr, h_ptr, tok_ptr, blocks_ptr, nblocks_ptr, rank_ptr, seg_ptr, pages_ptr,
-    K, a_width, page_size, num_segs, max_pages, first_seg,
+    K, a_width, page_size, num_segs, max_pages, seg0,
     stride_xt, stride_hs, stride_ht,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_H: tl.constexpr,
@@ -53,7 +53,7 @@ def _shrink_kernel(
     for blk in range(pid0 // SPLIT_K, tl.load(nblocks_ptr), stride_blk):
         slot = tl.load(blocks_ptr + blk * 3)
         rank = tl.load(rank_ptr + slot)
-        seg_off = tl.load(seg_ptr + slot * num_segs + first_seg + 2 * s)
+        seg_off = tl.load(seg_ptr + slot * num_segs + seg0 + 2 * s)
         if (seg_off >= 0) & (n0 < rank):  # rank tiles past the slot's rank: no work
             start = tl.load(blocks_ptr + blk * 3 + 1)
             length = tl.load(blocks_ptr + blk * 3 + 2)
@@ -91,7 +91,7 @@ def _shrink_kernel(
 def _expand_kernel(
     h_ptr, pool_ptr, y_ptr, tok_ptr, blocks_ptr, nblocks_ptr, rank_ptr, seg_ptr, pages_ptr,
     desc_ptr,
-    page_size, num_segs, max_pages, first_seg,
+    page_size, num_segs, max_pages, seg0,
     stride_hs, stride_ht, stride_yt,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGNED: tl.constexpr,
     EVEN_H: tl.constexpr,
@@ -114,7 +114,7 @@ def _expand_kernel(
     nblocks = tl.where(n0 < n_out, tl.load(nblocks_ptr), 0)
     for blk in range(tl.program_id(0), nblocks, tl.num_programs(0)):
         slot = tl.load(blocks_ptr + blk * 3)
-        seg_off = tl.load(seg_ptr + slot * num_segs + first_seg + 2 * s + 1)
+        seg_off = tl.load(seg_ptr + slot * num_segs + seg0 + 2 * s)
         if seg_off >= 0:
             rank = tl.load(rank_ptr + slot)
             start = tl.load(blocks_ptr + blk * 3 + 1)
@@ -141,6 +141,53 @@ def _expand_kernel(
                             mask=j_mask[:, None] & n_mask[None, :], other=0.0)
                 acc += tl.dot(hj.to(w.dtype), w)
             tl.store(out, acc.to(y.dtype), mask=mask)
+
+
+@triton.jit
+def _grad_pool_kernel(
+    left_ptr, right_ptr, dpool_ptr, tok_ptr, blocks_ptr, nblocks_ptr, rank_ptr, seg_ptr,
+    pages_ptr,
+    n_cols, width, page_size, num_segs, max_pages, seg,
+    stride_lt, stride_rt,
+    BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+):
+    """dW[slot][j, n] += sum over the block's tokens t of left[t, j] * right[t, n],
+    added into segment `seg`'s rows in the (fp32) pool gradient: dA from
+    (dh, x), dBt from (h, dy). Blocks of one slot add into the same rows."""
+    blk = tl.program_id(0)
+    r0 = tl.program_id(1) * BR
+    n0 = tl.program_id(2) * BN
+    if n0 >= n_cols or blk >= tl.load(nblocks_ptr):
+        return
+    slot = tl.load(blocks_ptr + blk * 3)
+    rank = tl.load(rank_ptr + slot)
+    if r0 >= rank:
+        return
+    seg_off = tl.load(seg_ptr + slot * num_segs + seg)
+    if seg_off < 0:
+        return
+    start = tl.load(blocks_ptr + blk * 3 + 1)
+    length = tl.load(blocks_ptr + blk * 3 + 2)
+
+    offs_r = r0 + tl.arange(0, BR)
+    r_mask = offs_r < rank
+    offs_n = n0 + tl.arange(0, BN)
+    n_mask = offs_n < n_cols
+    acc = tl.zeros((BR, BN), dtype=tl.float32)
+    for m0 in range(0, length, BM):
+        offs_m = m0 + tl.arange(0, BM)
+        m_mask = offs_m < length
+        toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
+        left = tl.load(left_ptr + toks[:, None] * stride_lt + offs_r[None, :],
+                       mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        right = tl.load(right_ptr + toks[:, None] * stride_rt + offs_n[None, :],
+                        mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.dot(tl.trans(left).to(right.dtype), right)
+    chunk = seg_off + offs_r * width + n0  # BN columns of row j lie in one page
+    page = tl.load(pages_ptr + slot * max_pages + chunk // page_size, mask=r_mask, other=0)
+    base = page.to(tl.int64) * page_size + chunk % page_size
+    tl.atomic_add(dpool_ptr + base[:, None] + tl.arange(0, BN)[None, :], acc,
+                  mask=r_mask[:, None] & n_mask[None, :])
 
 
 @dataclass(frozen=True)
@@ -195,11 +242,21 @@ def expand_tiles(batch: TokenBatch) -> Tiles:
     return Tiles(block_n=128, block_k=16)
 
 
+@dataclass(frozen=True)
+class GradTiles:
+    block_m: int = 32  # tokens per inner step; a program reduces over its whole block
+    block_r: int = 32
+    block_n: int = 64
+
+
+def grad_tiles(batch: TokenBatch) -> GradTiles:
+    """Not tuned yet: a first choice for the weight-gradient kernel."""
+    return GradTiles()
+
+
 @functools.lru_cache(maxsize=256)
-def _slice_desc(module: ModuleSlices, layout: LayerLayout, device: torch.device) -> torch.Tensor:
-    rows = [(layout.width(2 * (module.first + s) + 1), n, col)
-            for s, (n, col) in enumerate(zip(module.out_features, module.out_offsets,
-                                             strict=True))]
+def _desc(rows: tuple[tuple[int, int, int], ...], device: torch.device) -> torch.Tensor:
+    """(segment row width, output columns, first output column) per slice."""
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
@@ -216,33 +273,59 @@ def _check_align(layout: LayerLayout, *tile_sizes: int) -> None:
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, shrink_tiles=shrink_tiles, expand_tiles=expand_tiles) -> None:
+    def __init__(self, shrink_tiles=shrink_tiles, expand_tiles=expand_tiles,
+                 grad_tiles=grad_tiles) -> None:
         self._shrink_tiles, self._expand_tiles = shrink_tiles, expand_tiles
+        self._grad_tiles = grad_tiles
 
-    def shrink(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, batch: TokenBatch,
-               slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
-        """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T; every other entry of h is 0."""
+    def _shrink(self, x, pool, h, batch, slots, layout, k, width, seg0, count) -> None:
+        """h[s] = x @ (rows of segment seg0 + 2s).T for s < count; x has k columns."""
         h.zero_()
         if batch.max_blocks == 0:
             return
-        t = self._shrink_tiles(batch, module.in_features)
+        t = self._shrink_tiles(batch, k)
         _check_align(layout, t.block_k)
         rank_blocks = triton.cdiv(slots.max_rank, t.block_n)
-        split_k = t.split_k or auto_split_k(module.in_features, t.block_k,
-                                            batch.max_blocks * rank_blocks * module.count,
+        split_k = t.split_k or auto_split_k(k, t.block_k, batch.max_blocks * rank_blocks * count,
                                             x.device)
-        grid = (block_programs(batch.max_blocks, split_k * rank_blocks * module.count,
-                               x.device) * split_k, rank_blocks, module.count)
+        grid = (block_programs(batch.max_blocks, split_k * rank_blocks * count,
+                               x.device) * split_k, rank_blocks, count)
         _shrink_kernel[grid](
             x, pool, h, batch.sorted_tokens, batch.blocks, batch.num_blocks_dev, slots.rank,
-            slots.seg_offsets,
-            slots.pages, module.in_features, layout.width(2 * module.first), layout.page_size,
-            layout.num_segments, slots.pages.shape[1], 2 * module.first,
+            slots.seg_offsets, slots.pages, k, width, layout.page_size,
+            layout.num_segments, slots.pages.shape[1], seg0,
             x.stride(0), h.stride(0), h.stride(1),
             BM=batch.block_m, BN=t.block_n, BK=t.block_k, SPLIT_K=split_k,
             EVEN_H=h.shape[-1] % t.block_n == 0,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
+
+    def _expand(self, h, pool, y, batch, slots, layout, desc_rows, seg0) -> None:
+        """y[:, cols(s)] += h[s] @ (rows of segment seg0 + 2s), s < len(desc_rows);
+        slices must write disjoint columns (programs of different s run at once)."""
+        if batch.max_blocks == 0:
+            return
+        t = self._expand_tiles(batch)
+        _check_align(layout, t.block_n)
+        col_blocks = triton.cdiv(max(n for _, n, _ in desc_rows), t.block_n)
+        grid = (block_programs(batch.max_blocks, col_blocks * len(desc_rows), y.device),
+                col_blocks, len(desc_rows))
+        _expand_kernel[grid](
+            h, pool, y, batch.sorted_tokens, batch.blocks, batch.num_blocks_dev, slots.rank,
+            slots.seg_offsets, slots.pages, _desc(tuple(desc_rows), y.device),
+            layout.page_size, layout.num_segments, slots.pages.shape[1], seg0,
+            h.stride(0), h.stride(1), y.stride(0),
+            BM=batch.block_m, BN=t.block_n, BK=t.block_k,
+            ALIGNED=all(n % 16 == 0 and col % 16 == 0 for _, n, col in desc_rows),
+            EVEN_H=h.shape[-1] % t.block_k == 0,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+
+    def shrink(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, batch: TokenBatch,
+               slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
+        """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T; every other entry of h is 0."""
+        self._shrink(x, pool, h, batch, slots, layout, module.in_features,
+                     layout.width(2 * module.first), 2 * module.first, module.count)
 
     def expand(self, h: torch.Tensor, pool: torch.Tensor, y: torch.Tensor, batch: TokenBatch,
                slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
@@ -250,21 +333,61 @@ class TritonBackend:
         without an adapter and untargeted slices are left as they are. h must
         be 0 past each rank, as `shrink` leaves it (its columns there meet
         masked weights, but are read)."""
+        rows = [(layout.width(2 * (module.first + s) + 1), n, col)
+                for s, (n, col) in enumerate(zip(module.out_features, module.out_offsets,
+                                                 strict=True))]
+        self._expand(h, pool, y, batch, slots, layout, rows, 2 * module.first + 1)
+
+    # Backward: the same two kernels with the segments' roles swapped, one
+    # slice per launch (each slice has its own input columns, or, for dx,
+    # they all write the same columns), plus a segmented weight-gradient GEMM.
+
+    def expand_grad_h(self, dy: torch.Tensor, pool: torch.Tensor, dh: torch.Tensor,
+                      batch: TokenBatch, slots: SlotTable, module: ModuleSlices,
+                      layout: LayerLayout) -> None:
+        """dh[s, t, :rank] = dy[t, slice s columns] @ Bt_{slot(t), s}.T; every
+        other entry of dh is 0: a shrink over the Bt segments."""
+        for s, (col, n_out) in enumerate(zip(module.out_offsets, module.out_features,
+                                             strict=True)):
+            seg = 2 * (module.first + s) + 1
+            self._shrink(dy[:, col:col + n_out], pool, dh[s:s + 1], batch, slots, layout,
+                         n_out, layout.width(seg), seg, 1)
+
+    def shrink_grad_x(self, dh: torch.Tensor, pool: torch.Tensor, dx: torch.Tensor,
+                      batch: TokenBatch, slots: SlotTable, module: ModuleSlices,
+                      layout: LayerLayout) -> None:
+        """dx[t] += sum over slices s of dh[s, t, :rank] @ A_{slot(t), s}: an
+        expand over the A segments. dh must be 0 past each rank."""
+        for s in range(module.count):
+            seg = 2 * (module.first + s)
+            self._expand(dh[s:s + 1], pool, dx, batch, slots, layout,
+                         [(layout.width(seg), module.in_features, 0)], seg)
+
+    def grad_pool(self, x: torch.Tensor, h: torch.Tensor, dy: torch.Tensor, dh: torch.Tensor,
+                  dpool: torch.Tensor, batch: TokenBatch, slots: SlotTable,
+                  module: ModuleSlices, layout: LayerLayout) -> None:
+        """A_{slot, s} += dh[s, toks].T @ x[toks], Bt_{slot, s} += h[s, toks].T @
+        dy[toks, slice s columns], added into `dpool` (laid out as the pool).
+        Accumulates in fp32 (atomics where a slot spans several blocks)."""
         if batch.max_blocks == 0:
             return
-        t = self._expand_tiles(batch)
+        t = self._grad_tiles(batch)
         _check_align(layout, t.block_n)
-        col_blocks = triton.cdiv(max(module.out_features), t.block_n)
-        grid = (block_programs(batch.max_blocks, col_blocks * module.count, y.device),
-                col_blocks, module.count)
-        _expand_kernel[grid](
-            h, pool, y, batch.sorted_tokens, batch.blocks, batch.num_blocks_dev, slots.rank,
-            slots.seg_offsets,
-            slots.pages, _slice_desc(module, layout, y.device), layout.page_size,
-            layout.num_segments, slots.pages.shape[1], 2 * module.first,
-            h.stride(0), h.stride(1), y.stride(0),
-            BM=batch.block_m, BN=t.block_n, BK=t.block_k,
-            ALIGNED=all(c % 16 == 0 for c in (*module.out_offsets, *module.out_features)),
-            EVEN_H=h.shape[-1] % t.block_k == 0,
-            num_warps=t.num_warps, num_stages=t.num_stages,
-        )
+        acc = dpool if dpool.dtype == torch.float32 else torch.zeros_like(dpool,
+                                                                          dtype=torch.float32)
+        for s, (col, n_out) in enumerate(zip(module.out_offsets, module.out_features,
+                                             strict=True)):
+            g = module.first + s
+            for seg, left, right, n_cols in ((2 * g, dh[s], x, module.in_features),
+                                             (2 * g + 1, h[s], dy[:, col:col + n_out], n_out)):
+                grid = (batch.max_blocks, triton.cdiv(slots.max_rank, t.block_r),
+                        triton.cdiv(n_cols, t.block_n))
+                _grad_pool_kernel[grid](
+                    left, right, acc, batch.sorted_tokens, batch.blocks, batch.num_blocks_dev,
+                    slots.rank, slots.seg_offsets, slots.pages,
+                    n_cols, layout.width(seg), layout.page_size, layout.num_segments,
+                    slots.pages.shape[1], seg, left.stride(0), right.stride(0),
+                    BM=t.block_m, BR=t.block_r, BN=t.block_n,
+                )
+        if acc is not dpool:
+            dpool += acc.to(dpool.dtype)

@@ -178,6 +178,26 @@ def read_segment(
                                                          else s.in_features)]
 
 
+def add_to_segment(
+    layout: LayerLayout,
+    pool: torch.Tensor,
+    page_ids: torch.Tensor,
+    offset: int,
+    segment: int,
+    rows: torch.Tensor,
+) -> None:
+    """The transpose of `read_segment`: add `rows` ([rank, in or out]) into
+    one segment of `pool` ([num_pages, page_size]) in place (a gradient of
+    the pool is laid out as the pool; padding stays as it was)."""
+    rank, width = rows.shape[0], layout.width(segment)
+    n = rank * width
+    first, last = offset // layout.page_size, -(-(offset + n) // layout.page_size)
+    chunk = torch.zeros((last - first) * layout.page_size, dtype=pool.dtype, device=pool.device)
+    start = offset - first * layout.page_size
+    chunk[start:start + n].view(rank, width)[:, :rows.shape[1]] = rows.to(pool.dtype)
+    pool.index_add_(0, page_ids[first:last].long(), chunk.view(-1, layout.page_size))
+
+
 def read_layer(
     layout: LayerLayout,
     placement: AdapterPlacement,

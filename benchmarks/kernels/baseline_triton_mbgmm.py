@@ -1,0 +1,256 @@
+"""Triton MBGMM/MBGMV (S-LoRA §5.3): LoRA shrink and expand over paged
+adapter weights of heterogeneous ranks.
+
+One kernel pair serves prefill (blocks of many tokens of one adapter: MBGMM)
+and decode (blocks of one or a few tokens: MBGMV); only the tile sizes differ.
+Grid axes: (work block [x split-K], rank or column block, slice). A program
+whose rank block lies beyond its slot's rank, or whose slot does not target
+the slice, returns at once, so the work follows the sum of the ranks in the
+batch; the grid itself depends only on the number of blocks and the
+configured maximum rank. Weights are read through the slot's page table: one
+page lookup per (row, tile chunk), which the layout guarantees never crosses
+a page (paging/layout.py).
+
+Scaling is folded into Bt. Accumulation is fp32; the shrink output `h` is an
+fp32 buffer [slices, tokens, max_rank], cast to the weight dtype for the
+expand's tensor-core dot, as vLLM's expand does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_loraserve.kernels.batch import ModuleSlices, SlotTable, TokenBatch
+from vllm_loraserve.paging.layout import LayerLayout
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, pool_ptr, h_ptr, tok_ptr, blocks_ptr, nblocks_ptr, rank_ptr, seg_ptr, pages_ptr,
+    K, a_width, page_size, num_segs, max_pages, first_seg,
+    stride_xt, stride_hs, stride_ht,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_H: tl.constexpr,
+):
+    pid0 = tl.program_id(0)
+    blk = pid0 // SPLIT_K
+    split = pid0 % SPLIT_K
+    n0 = tl.program_id(1) * BN
+    s = tl.program_id(2)
+    if blk >= tl.load(nblocks_ptr):
+        return
+    slot = tl.load(blocks_ptr + blk * 3)
+    rank = tl.load(rank_ptr + slot)
+    if n0 >= rank:
+        return
+    seg_off = tl.load(seg_ptr + slot * num_segs + first_seg + 2 * s)
+    if seg_off < 0:
+        return
+    start = tl.load(blocks_ptr + blk * 3 + 1)
+    length = tl.load(blocks_ptr + blk * 3 + 2)
+
+    offs_m = tl.arange(0, BM)
+    m_mask = offs_m < length
+    toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
+    offs_n = n0 + tl.arange(0, BN)
+    n_mask = offs_n < rank
+    row_start = seg_off + offs_n * a_width  # element offset of each A row
+    offs_k = tl.arange(0, BK)
+
+    k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BK) * BK
+    k_begin = split * k_span
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(k_begin, tl.minimum(k_begin + k_span, K), BK):
+        k_mask = (k0 + offs_k) < K
+        x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        chunk = row_start + k0  # a chunk of BK elements lies in one page
+        page = tl.load(pages_ptr + slot * max_pages + chunk // page_size, mask=n_mask, other=0)
+        # Rows start at multiples of the layout's align (checked: a multiple of
+        # 16), which lets Triton issue wide loads for the gathered rows.
+        base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
+        w = tl.load(pool_ptr + base[None, :] + offs_k[:, None],
+                    mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        acc += tl.dot(x, w)
+    out = h_ptr + s * stride_hs + toks[:, None] * stride_ht + offs_n[None, :]
+    if EVEN_H:  # columns past the rank hold 0 (masked weights), inside h's width
+        mask = m_mask[:, None]
+    else:
+        mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc, mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+@triton.jit
+def _expand_kernel(
+    h_ptr, pool_ptr, y_ptr, tok_ptr, blocks_ptr, nblocks_ptr, rank_ptr, seg_ptr, pages_ptr,
+    desc_ptr,
+    page_size, num_segs, max_pages, first_seg,
+    stride_hs, stride_ht, stride_yt,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGNED: tl.constexpr,
+    EVEN_H: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    n0 = tl.program_id(1) * BN
+    s = tl.program_id(2)
+    n_out = tl.load(desc_ptr + s * 3 + 1)
+    if n0 >= n_out or blk >= tl.load(nblocks_ptr):
+        return
+    slot = tl.load(blocks_ptr + blk * 3)
+    seg_off = tl.load(seg_ptr + slot * num_segs + first_seg + 2 * s + 1)
+    if seg_off < 0:
+        return
+    rank = tl.load(rank_ptr + slot)
+    width = tl.load(desc_ptr + s * 3)
+    col0 = tl.load(desc_ptr + s * 3 + 2)
+    if ALIGNED:  # the launcher checked every slice's first column and width
+        col0 = tl.multiple_of(col0, 16)
+        # Known divisibility makes the column mask constant over 16 columns,
+        # so y and B are read and written in vectors, not element by element.
+        n_out = tl.multiple_of(n_out, 16)
+    start = tl.load(blocks_ptr + blk * 3 + 1)
+    length = tl.load(blocks_ptr + blk * 3 + 2)
+
+    offs_m = tl.arange(0, BM)
+    m_mask = offs_m < length
+    toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
+    offs_n = n0 + tl.arange(0, BN)
+    n_mask = offs_n < n_out
+    offs_j = tl.arange(0, BK)
+    # y is loaded first so that its latency overlaps the weight loads.
+    out = y_ptr + toks[:, None] * stride_yt + col0 + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    y = tl.load(out, mask=mask, other=0.0)
+    acc = y.to(tl.float32)
+    for j0 in range(0, rank, BK):
+        j_mask = (j0 + offs_j) < rank
+        h_tile = h_ptr + s * stride_hs + toks[:, None] * stride_ht + (j0 + offs_j)[None, :]
+        if EVEN_H:  # h is 0 past the rank up to its width, a multiple of BK: no rank mask
+            hj = tl.load(h_tile, mask=m_mask[:, None], other=0.0)
+        else:
+            hj = tl.load(h_tile, mask=m_mask[:, None] & j_mask[None, :], other=0.0)
+        chunk = seg_off + (j0 + offs_j) * width + n0  # BN columns of row j lie in one page
+        page = tl.load(pages_ptr + slot * max_pages + chunk // page_size, mask=j_mask, other=0)
+        base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
+        w = tl.load(pool_ptr + base[:, None] + tl.arange(0, BN)[None, :],
+                    mask=j_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.dot(hj.to(w.dtype), w)
+    tl.store(out, acc.to(y.dtype), mask=mask)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_n: int
+    block_k: int
+    split_k: int = 0  # shrink only; 0: chosen per launch by `auto_split_k`
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def shrink_tiles(batch: TokenBatch, k: int) -> Tiles:
+    """Few tokens per block (decode) or many (prefill). Both defaults are the
+    tiles `bench_lora_kernels.py --tune` chose on an H200 (docs/benchmarks/kernels.md)."""
+    if batch.block_m <= 16:
+        return Tiles(block_n=32, block_k=128, split_k=16)
+    return Tiles(block_n=32, block_k=128, num_warps=8, num_stages=3)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def auto_split_k(k: int, block_k: int, programs: int, device: torch.device) -> int:
+    """Split K until there are about four programs per SM (split-K adds fp32
+    atomics, so no further), keeping at least two K chunks per program.
+    `programs` is the grid before splitting: it depends on the batch's block
+    count and the configured maximum rank, never on the ranks in the batch."""
+    sms = _num_sms(device) if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(k, 2 * block_k), triton.cdiv(4 * sms, programs)))
+
+
+def expand_tiles(batch: TokenBatch) -> Tiles:
+    """As `shrink_tiles`: tuned on an H200."""
+    if batch.block_m <= 16:
+        return Tiles(block_n=128, block_k=32)
+    return Tiles(block_n=128, block_k=16)
+
+
+@functools.lru_cache(maxsize=256)
+def _slice_desc(module: ModuleSlices, layout: LayerLayout, device: torch.device) -> torch.Tensor:
+    rows = [(layout.width(2 * (module.first + s) + 1), n, col)
+            for s, (n, col) in enumerate(zip(module.out_features, module.out_offsets,
+                                             strict=True))]
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def _check_align(layout: LayerLayout, *tile_sizes: int) -> None:
+    if layout.align % 16:
+        raise ValueError(f"the Triton kernels need a layout align that is a multiple of 16, "
+                         f"got {layout.align}")
+    for t in tile_sizes:
+        if layout.align % t:
+            raise ValueError(f"tile size {t} does not divide the layout's align "
+                             f"{layout.align}: a tile could cross a page")
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self, shrink_tiles=shrink_tiles, expand_tiles=expand_tiles) -> None:
+        self._shrink_tiles, self._expand_tiles = shrink_tiles, expand_tiles
+
+    def shrink(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, batch: TokenBatch,
+               slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
+        """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T; every other entry of h is 0."""
+        h.zero_()
+        if batch.max_blocks == 0:
+            return
+        t = self._shrink_tiles(batch, module.in_features)
+        _check_align(layout, t.block_k)
+        rank_blocks = triton.cdiv(slots.max_rank, t.block_n)
+        split_k = t.split_k or auto_split_k(module.in_features, t.block_k,
+                                            batch.max_blocks * rank_blocks * module.count,
+                                            x.device)
+        grid = (batch.max_blocks * split_k, rank_blocks, module.count)
+        _shrink_kernel[grid](
+            x, pool, h, batch.sorted_tokens, batch.blocks, batch.num_blocks_dev, slots.rank,
+            slots.seg_offsets,
+            slots.pages, module.in_features, layout.width(2 * module.first), layout.page_size,
+            layout.num_segments, slots.pages.shape[1], 2 * module.first,
+            x.stride(0), h.stride(0), h.stride(1),
+            BM=batch.block_m, BN=t.block_n, BK=t.block_k, SPLIT_K=split_k,
+            EVEN_H=h.shape[-1] % t.block_n == 0,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+
+    def expand(self, h: torch.Tensor, pool: torch.Tensor, y: torch.Tensor, batch: TokenBatch,
+               slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
+        """y[t, slice s columns] += h[s, t, :rank] @ Bt_{slot(t), s}; tokens
+        without an adapter and untargeted slices are left as they are. h must
+        be 0 past each rank, as `shrink` leaves it (its columns there meet
+        masked weights, but are read)."""
+        if batch.max_blocks == 0:
+            return
+        t = self._expand_tiles(batch)
+        _check_align(layout, t.block_n)
+        grid = (batch.max_blocks, triton.cdiv(max(module.out_features), t.block_n),
+                module.count)
+        _expand_kernel[grid](
+            h, pool, y, batch.sorted_tokens, batch.blocks, batch.num_blocks_dev, slots.rank,
+            slots.seg_offsets,
+            slots.pages, _slice_desc(module, layout, y.device), layout.page_size,
+            layout.num_segments, slots.pages.shape[1], 2 * module.first,
+            h.stride(0), h.stride(1), y.stride(0),
+            BM=batch.block_m, BN=t.block_n, BK=t.block_k,
+            ALIGNED=all(c % 16 == 0 for c in (*module.out_offsets, *module.out_features)),
+            EVEN_H=h.shape[-1] % t.block_k == 0,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )
