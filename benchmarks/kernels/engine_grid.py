@@ -10,7 +10,10 @@ qkv and o over 8 layers of Llama-2-7B shape, one CUDA graph per case) with
 the current kernels and with a baseline module (e.g. the previous commit's
 `triton_mbgmm.py`), in one process, and reports microseconds per layer.
 
-    python benchmarks/kernels/engine_grid.py --baseline OLD_triton_mbgmm.py --out r.json
+    git show REV:src/vllm_loraserve/kernels/triton_mbgmm.py > /tmp/old_mbgmm.py
+    python benchmarks/kernels/engine_grid.py --baseline /tmp/old_mbgmm.py --out r.json
+
+(Session 3 of docs/benchmarks/e2e.md compared against REV = `adc8f41`.)
 
 Needs torch and triton on a CUDA device; vLLM is not used.
 """
