@@ -96,8 +96,10 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self._reader = ThreadPoolExecutor(max_workers=cfg.read_threads,
                                           thread_name_prefix="loraserve-read",
                                           initializer=torch.set_num_threads, initargs=(1,))
-        self._reading: dict[int, Future] = {}
-        self._reserved: dict[int, int] = {}  # lora id -> host bytes of a read-ahead
+        # Background reads under way: lora id -> (future, host bytes it will take).
+        self._reading: dict[int, tuple[Future, int]] = {}
+        # Host-tier buffers are pinned when a CUDA device copies from them.
+        self._pinned = torch.device(self.device).type == "cuda"
         self._keep: frozenset[int] = frozenset()  # the last PoolStep's keep
         self.failed: dict[int, str] = {}  # lora id -> why its files could not be read
         # Read since the last report, even if the tier dropped them again: each
@@ -182,13 +184,13 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         if entry is not None:
             return entry, True
         if reading is not None:
-            return reading.result(), False
+            return reading[0].result(), False
         return self._read(lora_request), False
 
     def _entry_bytes(self, pages: int) -> int:
         dtype = self.lora_config.lora_dtype
         n = self.num_layers * pages * self.pool.layout.page_size * dtype.itemsize
-        return allocation_bytes(n, pinned=torch.device(self.device).type == "cuda")
+        return allocation_bytes(n, self._pinned)
 
     def prefetch(self, hint: Prefetch) -> None:
         """Start reading an adapter into the host tier in the background, if
@@ -200,17 +202,15 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             if lora_id in self.host or lora_id in self._reading or lora_id in self.failed:
                 return
             if not self.host.has_room(need, self._keep | self._fresh,
-                                      sum(self._reserved.values())):
+                                      sum(n for _, n in self._reading.values())):
                 return
             future = self._reader.submit(self._read, hint.lora_request)
-            self._reading[lora_id] = future
-            self._reserved[lora_id] = need
+            self._reading[lora_id] = future, need
 
         def done(f: Any) -> None:
             with self._lock:
-                if self._reading.get(lora_id) is f:
+                if self._reading.get(lora_id, (None,))[0] is f:
                     del self._reading[lora_id]
-                    self._reserved.pop(lora_id, None)
 
         future.add_done_callback(done)
 
@@ -262,7 +262,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         dtype = self.lora_config.lora_dtype
         streams = torch.empty((self.num_layers, placement.num_pages * layout.page_size),
                               dtype=dtype,
-                              pin_memory=torch.device(self.device).type == "cuda")
+                              pin_memory=self._pinned)
         for layer, w in enumerate(per_layer):
             pack_layer(layout, placement, w, spec.scaling, dtype, out=streams[layer])
         return HostAdapter(lora_request.lora_name, placement, streams)
@@ -277,7 +277,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             self._apply(step)
         if idle:
             with self._lock:
-                reading = list(self._reading.values())
+                reading = [f for f, _ in self._reading.values()]
             if reading:
                 wait(reading, timeout=0.005, return_when=FIRST_COMPLETED)
 
@@ -359,7 +359,6 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             self._generation[lora_id] = self._generation.get(lora_id, 0) + 1
             self.failed.pop(lora_id, None)
             self._reading.pop(lora_id, None)
-            self._reserved.pop(lora_id, None)
 
     def pin_adapter(self, adapter_id: int) -> bool:
         raise ValueError("pinning adapters is not supported by the loraserve pool yet "
