@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -103,7 +104,8 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def run_loraserve(case, model, names, train, infer, steps, warmup, kernel, device, reuse_kv):
+def run_loraserve(case, model, names, train, infer, steps, warmup, kernel, device, reuse_kv,
+                  profile=None):
     from vllm_loraserve.train.config import AdapterTrainConfig, OptimizerConfig
     from vllm_loraserve.train.trainer import MultiAdapterTrainer
 
@@ -125,7 +127,19 @@ def run_loraserve(case, model, names, train, infer, steps, warmup, kernel, devic
             for k, v in r.seconds.items():
                 phases[k] = phases.get(k, 0.0) + v
     _sync(device)
-    return tokens, time.perf_counter() - start, phases
+    seconds = time.perf_counter() - start
+    if profile:  # one more step, untimed, under torch.profiler: where a step's time goes
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
+        with torch_profile(activities=acts) as prof:
+            trainer.step(train, infer, reuse_kv=reuse_kv)
+            _sync(device)
+        by = "self_cuda_time_total" if device != "cpu" else "self_cpu_time_total"
+        with open(profile, "w") as f:
+            f.write(prof.key_averages().table(sort_by=by, row_limit=30))
+    return tokens, seconds, phases
 
 
 def run_peft_solo(case, model, names, train, infer, steps, warmup, device):
@@ -210,9 +224,11 @@ def measure(case, mode, args) -> dict:
     row = {"mode": mode, **asdict(case)}
     try:
         if mode.startswith("loraserve"):
+            profile = args.profile and mode == "loraserve" and os.path.join(
+                args.profile, f"{case.shape}-{case.adapters}-{case.train_frac}.txt")
             tokens, secs, phases = run_loraserve(case, model, names, train, infer, args.steps,
                                                  args.warmup, args.kernel, device,
-                                                 reuse_kv=mode == "loraserve")
+                                                 reuse_kv=mode == "loraserve", profile=profile)
         elif mode == "peft-solo":
             tokens, secs, phases = run_peft_solo(case, model, names, train, infer, args.steps,
                                                  args.warmup, device)
@@ -256,6 +272,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--tiny", action="store_true",
                    help="CPU smoke: tiny shape, batch 8, short sequences, 1 step")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--profile", default=None,
+                   help="folder: profile one extra step of each loraserve case into it")
     args = p.parse_args(argv)
     if args.tiny:
         args.shape, args.adapters, args.batch = ["tiny"], [3], 8

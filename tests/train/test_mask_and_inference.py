@@ -28,8 +28,7 @@ def _trainer(model_dir, tmp, inits, sps=100, lr=0.1):
 
 
 def _grads(trainer, name):
-    return {p: (a.grad.clone(), b.grad.clone())
-            for p, (a, b) in trainer.params[name].weights.items()}
+    return {p: (a.clone(), b.clone()) for p, (a, b) in trainer.params[name].grads().items()}
 
 
 def test_mask_splits_gradient_by_weights(tiny_assets, tmp_path):

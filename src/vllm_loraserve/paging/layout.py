@@ -114,8 +114,7 @@ def pack_layer(
 
     `weights` maps slice name -> (A [rank, in], B [out, rank]); scaling is
     folded into Bt. Padding is zero. Each segment is written in one pass,
-    straight from the file's tensors (the host tier's read cost); weights
-    that require grad are written through autograd instead.
+    straight from the file's tensors (the host tier's read cost).
     """
     n = placement.num_pages * layout.page_size
     if out is None:
@@ -137,9 +136,7 @@ def pack_layer(
                 raise ValueError(f"slice {name} is not in this adapter's placement")
             w = layout.width(seg)
             view = out[off:off + r * w].view(r, w)
-            if rows.requires_grad:  # training packs leaves: keep the graph (train/lora.py)
-                view[:, :rows.shape[1]] = (rows * scaling if seg % 2 else rows).to(dtype)
-            elif seg % 2:
+            if seg % 2:
                 torch.mul(rows, scaling, out=view[:, :rows.shape[1]])
             else:
                 view[:, :rows.shape[1]].copy_(rows)

@@ -95,8 +95,8 @@ class MultiAdapterTrainer:
             self.params[a.name] = init_params(a.name, a.rank, _scaling(a), dims, self.device,
                                               g, init)
         self.slot_of = {name: i for i, name in enumerate(self.params)}
-        self.state = LoRAState(get_backend(kernel))
-        attach(model, list(self.params.values()), self.state)
+        self.state = LoRAState(get_backend(kernel), self.device)
+        self.groups = attach(model, list(self.params.values()), self.state)
         self.optimizers = {n: make_optimizer(self.configs[n].optimizer, p.parameters())
                            for n, p in self.params.items()}
         self.accumulated = dict.fromkeys(self.params, 0)
@@ -141,6 +141,8 @@ class MultiAdapterTrainer:
             per_sample = ce.sum(1) / (labels != IGNORE).sum(1)
             times["forward"] = time.perf_counter() - t0
             per_sample.sum().backward()
+            for group in self.groups:
+                group.collect_grads()
             times["backward"] = time.perf_counter() - t0 - times["forward"]
             for s, loss in zip(train, per_sample.tolist(), strict=True):
                 for n, w in s.mix.items():
@@ -217,10 +219,10 @@ class MultiAdapterTrainer:
         return result
 
     def _pick(self, logits: torch.Tensor, infer: Sequence[InferenceSample]) -> torch.Tensor:
-        temps = torch.tensor([s.temperature for s in infer], device=logits.device)
         greedy = logits.argmax(-1)
-        if not bool((temps > 0).any()):
+        if all(s.temperature <= 0 for s in infer):  # decided on the host: no device sync
             return greedy
+        temps = torch.tensor([s.temperature for s in infer], device=logits.device)
         probs = torch.softmax(logits.float() / temps.clamp(min=1e-6)[:, None], -1)
         sampled = torch.multinomial(probs, 1, generator=self.sample_gen)[:, 0]
         return torch.where(temps > 0, sampled, greedy)
