@@ -1,12 +1,16 @@
 """Where the pool's disk -> host-tier read time goes, on this machine.
 
-Each read (worker/paged_manager.py `_pack`) is: parse the safetensors file
-(`load_adapter`), allocate the entry's buffer (pinned on a CUDA machine:
-torch's caching host allocator, which rounds to a power of two and caches
-freed blocks), and pack every layer into page layout (`pack_layer`: A copied,
-B transposed and scaled). This times the three parts apart for adapters of
-the e2e benchmark's shape (Llama-2-7B, q/k/v/o, ranks 8..128, bf16) with 1,
-4 and 8 reader threads, new allocations and reused ones.
+Two read paths for adapters of the e2e benchmark's shape (Llama-2-7B,
+q/k/v/o, ranks 8..128, bf16), with 1, 4 and 8 reader threads (one intra-op
+thread each), new pinned allocations and reused ones:
+- `raw` (what the worker does, worker/paged_manager.py `_read_file`): the
+  weights file's data into one (pinned) buffer with one `readinto`
+  (adapters/peft.py `read_weights`); the packing runs on the device at load;
+- `host-pack` (the previous read, for comparison): `load_adapter`, then
+  every layer packed into page layout on the host (`pack_layer`: A copied,
+  B transposed and scaled).
+On a CUDA machine it also times the device side of loading `raw` entries:
+one host-to-device copy, then `pack_layer` on the GPU.
 
     python benchmarks/e2e/read_path.py --out read_path.json
 """
@@ -14,7 +18,6 @@ the e2e benchmark's shape (Llama-2-7B, q/k/v/o, ranks 8..128, bf16) with 1,
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import time
@@ -22,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from vllm_loraserve.adapters.peft import load_adapter, short_name, write_adapter
+from vllm_loraserve.adapters.peft import load_adapter, read_weights, short_name, write_adapter
 from vllm_loraserve.paging.layout import LayerLayout, SliceSpec, pack_layer
 
 H, LAYERS, PAGE, RANKS = 4096, 32, 2 * 16 * 32 * 128, (8, 16, 32, 64, 128)
@@ -46,7 +49,7 @@ def make(root: str, n: int) -> list[str]:
     return paths
 
 
-def read(path: str, pin: bool) -> tuple[dict, torch.Tensor]:
+def read_pack(path: str, pin: bool) -> dict:
     t0 = time.perf_counter()
     spec, weights = load_adapter(path)
     t1 = time.perf_counter()
@@ -54,14 +57,52 @@ def read(path: str, pin: bool) -> tuple[dict, torch.Tensor]:
     streams = torch.empty((LAYERS, placement.num_pages * PAGE), dtype=torch.bfloat16,
                           pin_memory=pin)
     t2 = time.perf_counter()
-    per_layer = [{} for _ in range(LAYERS)]
-    for name, ab in weights.items():
-        per_layer[int(name.split(".")[2])][short_name(name)] = ab
-    for layer, w in enumerate(per_layer):
+    for layer, w in enumerate(per_layer(weights)):
         pack_layer(LAYOUT, placement, w, spec.scaling, torch.bfloat16, out=streams[layer])
     t3 = time.perf_counter()
-    return dict(rank=spec.rank, mb=streams.numel() * 2 / 1e6, load=t1 - t0, alloc=t2 - t1,
-                pack=t3 - t2, total=t3 - t0), streams
+    return dict(mb=streams.numel() * 2 / 1e6, load=t1 - t0, alloc=t2 - t1, copy=t3 - t2,
+                total=t3 - t0, entry=streams)
+
+
+def read_raw(path: str, pin: bool) -> dict:
+    times = {}
+
+    def alloc(n):
+        t = time.perf_counter()
+        buf = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+        times["alloc"] = time.perf_counter() - t
+        return buf
+
+    t0 = time.perf_counter()
+    spec, raw = read_weights(path, alloc)
+    total = time.perf_counter() - t0
+    return dict(mb=raw.data.numel() / 1e6, load=0.0, alloc=times["alloc"],
+                copy=total - times["alloc"], total=total, entry=(spec, raw))
+
+
+def per_layer(weights) -> list[dict]:
+    out = [{} for _ in range(LAYERS)]
+    for name, ab in weights.items():
+        out[int(name.split(".")[2])][short_name(name)] = ab
+    return out
+
+
+def device_pack(entries) -> dict:
+    """The device side of loading `raw` entries: H2D copy + pack_layer on the GPU."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for spec, raw in entries:
+        data = raw.data.to("cuda", non_blocking=True)
+        placement = LAYOUT.place(spec.rank, spec.target_modules)
+        streams = torch.empty((LAYERS, placement.num_pages * PAGE), dtype=torch.bfloat16,
+                              device="cuda")
+        for layer, w in enumerate(per_layer(raw.tensors(data))):
+            pack_layer(LAYOUT, placement, w, spec.scaling, torch.bfloat16, out=streams[layer])
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    mb = sum(raw.data.numel() for _, raw in entries) / 1e6
+    return dict(adapters=len(entries), ms_per_adapter=round(1e3 * wall / len(entries), 2),
+                gb_per_s=round(mb / 1e3 / wall, 2))
 
 
 def main() -> None:
@@ -72,31 +113,34 @@ def main() -> None:
     a = ap.parse_args()
     pin = torch.cuda.is_available()
     paths = make(a.root, a.n)
-    runs = []
-    for threads, intra in ((1, 0), (4, 0), (8, 0), (4, 1), (8, 1), (8, 2)):
-        for alloc in ("new", "reused"):
-            if alloc == "new" and pin:
-                torch._C._host_emptyCache()  # no cached pinned block to reuse
-            t = time.perf_counter()
-            # intra: torch's intra-op threads in each reader (0: torch's default;
-            # per reader thread, as OpenMP's thread count is per calling thread).
-            init = functools.partial(torch.set_num_threads, intra) if intra else None
-            with ThreadPoolExecutor(threads, initializer=init) as ex:
-                # Entries stay alive to the end of the pass, as in a filling tier;
-                # then their blocks go back to torch's cache for the "reused" pass.
-                results = list(ex.map(lambda p: read(p, pin), paths))
-            wall = time.perf_counter() - t
-            rows = [r for r, _ in results]
-            del results
-            run = dict(threads=threads, intra_op=intra or torch.get_num_threads(), blocks=alloc,
-                       wall_s=round(wall, 2), reads=len(rows),
-                       gb_per_s=round(sum(r["mb"] for r in rows) / 1e3 / wall, 2),
-                       **{k: round(sum(r[k] for r in rows) / len(rows), 4)
-                          for k in ("load", "alloc", "pack", "total")})
-            print(run, flush=True)
-            runs.append(run)
+    runs, device = [], None
+    for path_kind, read in (("raw", read_raw), ("host-pack", read_pack)):
+        for threads in (1, 4, 8):
+            for blocks in ("new", "reused"):
+                if blocks == "new" and pin:
+                    torch._C._host_emptyCache()  # no cached pinned block to reuse
+                t = time.perf_counter()
+                # One intra-op thread per reader, as the worker's readers.
+                with ThreadPoolExecutor(threads, initializer=torch.set_num_threads,
+                                        initargs=(1,)) as ex:
+                    # Entries stay alive to the end of the pass, as in a filling
+                    # tier; then their blocks go back to torch's cache for "reused".
+                    rows = list(ex.map(read, paths, [pin] * len(paths)))
+                wall = time.perf_counter() - t
+                if path_kind == "raw" and pin and device is None:
+                    device = device_pack([r["entry"] for r in rows])
+                    print({"device_pack": device}, flush=True)
+                for r in rows:
+                    del r["entry"]
+                run = dict(path=path_kind, threads=threads, blocks=blocks,
+                           wall_s=round(wall, 2), reads=len(rows),
+                           gb_per_s=round(sum(r["mb"] for r in rows) / 1e3 / wall, 2),
+                           **{k: round(sum(r[k] for r in rows) / len(rows), 4)
+                              for k in ("load", "alloc", "copy", "total")})
+                print(run, flush=True)
+                runs.append(run)
     json.dump({"pinned": pin, "cpus": os.cpu_count(), "torch": torch.__version__,
-               "runs": runs}, open(a.out, "w"), indent=1)
+               "device_pack": device, "runs": runs}, open(a.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from vllm_loraserve.adapters.peft import (
     check_against_model,
     inspect_adapter,
     load_adapter,
+    read_weights,
     write_adapter,
 )
 
@@ -54,6 +55,52 @@ def test_load_adapter_returns_the_written_weights(tmp_path):
     for module, (n_in, n_out) in DIMS.items():
         a, b = torch.randn(4, n_in, generator=g), torch.randn(n_out, 4, generator=g)
         assert torch.equal(weights[module][0], a) and torch.equal(weights[module][1], b)
+
+
+def _alloc(n):
+    return torch.empty(n, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_read_weights_holds_the_files_tensors_in_one_buffer(tmp_path, fmt):
+    """The host tier's read: the same tensors as load_adapter, as views of
+    one buffer, in the file's dtype; mixed dtypes (fp32 A with bf16 B puts
+    tensors at offsets their dtype does not divide) included."""
+    g = torch.Generator().manual_seed(1)
+    weights = {m: (torch.randn(3, i, generator=g), torch.randn(o, 3, generator=g).bfloat16())
+               for m, (i, o) in DIMS.items()}
+    path = str(tmp_path / "a")
+    write_adapter(path, weights, rank=3, alpha=6, base_model="x")
+    if fmt == "bin":
+        from safetensors.torch import load_file
+
+        st = os.path.join(path, "adapter_model.safetensors")
+        torch.save(load_file(st), os.path.join(path, "adapter_model.bin"))
+        os.remove(st)
+    spec, raw = read_weights(path, _alloc)
+    assert spec == inspect_adapter(path)
+    assert raw.data.dtype == torch.uint8 and raw.data.numel() == spec.size_bytes
+    got = raw.tensors()
+    assert got.keys() == weights.keys()
+    for m, (a, b) in weights.items():
+        assert got[m][0].dtype == torch.float32 and torch.equal(got[m][0], a)
+        assert got[m][1].dtype == torch.bfloat16 and torch.equal(got[m][1], b)
+    copy = raw.data.clone()  # what a device copy of the buffer gives
+    raw.data.zero_()
+    assert all(torch.equal(raw.tensors(copy)[m][0], a) for m, (a, _) in weights.items())
+
+
+def test_read_weights_refuses_a_file_that_changed(tmp_path, monkeypatch):
+    """A file cut short after its header was checked (the engine reads long
+    after the API server inspected it) is an AdapterError, not a short buffer."""
+    path = _write(tmp_path / "a")
+    spec = inspect_adapter(path)
+    f = os.path.join(path, "adapter_model.safetensors")
+    data = open(f, "rb").read()
+    open(f, "wb").write(data[:len(data) - 8])
+    monkeypatch.setattr("vllm_loraserve.adapters.peft.inspect_adapter", lambda p: spec)
+    with pytest.raises(AdapterError, match="changed while being read"):
+        read_weights(path, _alloc)
 
 
 def test_load_adapter_refuses_truncated_weights(tmp_path):

@@ -20,14 +20,14 @@ def main() -> None:
 
     spec = json.load(open(sys.argv[1]))
     others_done = threading.Event()
-    pack = PagedWorkerLoRAManager._pack
+    read_file = PagedWorkerLoRAManager._read_file
 
-    def stalled_pack(self, lora_request):
+    def stalled_read(self, lora_request):
         if lora_request.lora_name == spec["slow"]:
             others_done.wait(timeout=60)
-        return pack(self, lora_request)
+        return read_file(self, lora_request)
 
-    PagedWorkerLoRAManager._pack = stalled_pack
+    PagedWorkerLoRAManager._read_file = stalled_read
     llm = LLM(model=spec["model"], dtype="float32", enable_lora=True, seed=0, max_model_len=256,
               **spec["engine"])
     engine = llm.llm_engine

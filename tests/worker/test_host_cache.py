@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from vllm_loraserve.adapters.peft import RawWeights
 from vllm_loraserve.worker.host_cache import HostAdapter, HostCache, allocation_bytes
 
 
 def entry(nbytes: int) -> HostAdapter:
-    return HostAdapter("a", placement=None, streams=torch.zeros(1, nbytes, dtype=torch.uint8))
+    return HostAdapter("a", placement=None, scaling=1.0,
+                       weights=RawWeights(torch.zeros(nbytes, dtype=torch.uint8), {}), where={})
 
 
 def test_lru_within_the_budget():

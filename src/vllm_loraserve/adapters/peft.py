@@ -250,6 +250,104 @@ def load_adapter(path: str) -> tuple[PeftSpec, dict[str, tuple[Any, Any]]]:
 
 
 @dataclass(frozen=True)
+class RawTensor:
+    """Where one weight lies in `RawWeights.data`."""
+
+    offset: int  # bytes
+    shape: tuple[int, ...]
+    dtype: Any  # torch dtype
+
+
+@dataclass(frozen=True)
+class RawWeights:
+    """An adapter's tensors as one byte buffer, as the weights file holds
+    them (file dtype, B not transposed, scaling not applied), and where each
+    A and B lies in it. Whoever holds the buffer decides where the packing
+    into pages runs (worker/paged_manager.py: on the GPU)."""
+
+    data: Any  # uint8 tensor
+    modules: Mapping[str, tuple[RawTensor, RawTensor]]  # module path -> (A, B)
+
+    def tensors(self, data: Any = None) -> dict[str, tuple[Any, Any]]:
+        """Module path -> (A, B), views of `data` (default: this buffer, or a
+        copy of it on another device)."""
+        data = self.data if data is None else data
+        return {m: tuple(_view(data, t) for t in ab) for m, ab in self.modules.items()}
+
+
+def _view(data: Any, t: RawTensor) -> Any:
+    n = math.prod(t.shape) * t.dtype.itemsize
+    chunk = data[t.offset:t.offset + n]
+    if t.offset % t.dtype.itemsize:  # the format does not promise alignment
+        chunk = chunk.clone()
+    return chunk.view(t.dtype).view(t.shape)
+
+
+def _safetensors_index(st_path: str) -> tuple[int, int, dict[str, tuple[int, list[int], str]]]:
+    """(data start, data size, key -> (offset, shape, dtype)) from the
+    file's header: an 8-byte little-endian length, then that much JSON."""
+    with open(st_path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        size = os.fstat(f.fileno()).st_size - 8 - n
+    index = {k: (v["data_offsets"][0], v["shape"], v["dtype"]) for k, v in header.items()
+             if k != "__metadata__"}
+    return 8 + n, size, index
+
+
+def read_weights(path: str, alloc: Any) -> tuple[PeftSpec, RawWeights]:
+    """An adapter's spec (checked as `inspect_adapter` does) and its tensors
+    in one buffer that `alloc(nbytes)` returns (a uint8 tensor, e.g. pinned).
+    A safetensors file's data goes in with one `readinto`; an
+    adapter_model.bin is loaded, then copied in."""
+    import torch
+
+    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    spec = inspect_adapter(path)
+    st_path = os.path.join(spec.path, SAFETENSORS_FILE)
+    refs: dict[str, dict[str, RawTensor]] = {}
+    if os.path.isfile(st_path):
+        try:
+            start, size, index = _safetensors_index(st_path)
+            data = alloc(size)
+            with open(st_path, "rb") as f:
+                f.seek(start)
+                view, got = memoryview(data.numpy()), 0
+                while got < size and (n := f.readinto(view[got:])):
+                    got += n
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise AdapterError(f"{SAFETENSORS_FILE} in {spec.path} is unreadable: {e}") from None
+        if got != size:
+            raise AdapterError(f"the adapter weights in {spec.path} changed while being read")
+        for key, (offset, shape, dt) in index.items():
+            if dt not in dtypes:
+                raise AdapterError(f"tensor {key!r} has dtype {dt}; LoRA weights must be "
+                                   f"one of {sorted(dtypes)}")
+            module, kind = _split_key(key)
+            refs.setdefault(module, {})[_KINDS.get(kind, kind)] = RawTensor(
+                offset, tuple(shape), dtypes[dt])
+    else:
+        tensors = _read_tensors(spec.path)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        data, offset = alloc(size), 0
+        for key, t in tensors.items():
+            n = t.numel() * t.element_size()
+            data[offset:offset + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+            module, kind = _split_key(key)
+            refs.setdefault(module, {})[_KINDS.get(kind, kind)] = RawTensor(
+                offset, tuple(t.shape), t.dtype)
+            offset += n
+    modules = {m: (ab["A"], ab["B"]) for m, ab in refs.items() if set(ab) == {"A", "B"}}
+    if modules.keys() != spec.modules.keys() or any(
+            (a.shape, b.shape) != ((s.rank, s.in_features), (s.out_features, s.rank))
+            for m, s in spec.modules.items() for a, b in [modules[m]]) or \
+            any(t.offset + math.prod(t.shape) * t.dtype.itemsize > size
+                for ab in modules.values() for t in ab):
+        raise AdapterError(f"the adapter weights in {spec.path} changed while being read")
+    return spec, RawWeights(data, modules)
+
+
+@dataclass(frozen=True)
 class ModelLoRAInfo:
     """What the served model accepts: short module name -> allowed (in, out)
     pairs (one per distinct layer shape), plus the rank limit."""

@@ -71,5 +71,5 @@ class PoolStep:
 class PoolReport:
     """A worker's host tier as the scheduler needs it for admission."""
 
-    host_ready: frozenset[int]  # lora ids whose page streams are in host memory
+    host_ready: frozenset[int]  # lora ids whose weights are in host memory
     failed: dict[int, str]  # lora id -> why its weights could not be read

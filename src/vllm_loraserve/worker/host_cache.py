@@ -1,8 +1,9 @@
-"""The pool's host tier: adapters in host memory, already in page layout.
+"""The pool's host tier: adapters in host memory, as their files hold them.
 
-Each entry is one adapter's page streams for every layer ([layers, pages *
-page_size], paging/layout.py), pinned when a CUDA device will copy from it,
-so a device load is one page copy per layer and never touches the disk.
+Each entry is one adapter's weights file data in one buffer (read with one
+copy, adapters/peft.py `read_weights`), pinned when a CUDA device will copy
+from it, so a device load is one host-to-device copy and never touches the
+disk; the packing into page layout runs on the device (worker/paged_manager.py).
 Entries are evicted least recently used first to stay within a byte budget;
 an evicted adapter is read from disk again when it is next needed.
 
@@ -27,8 +28,7 @@ from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
 
-import torch
-
+from vllm_loraserve.adapters.peft import RawWeights
 from vllm_loraserve.paging.layout import AdapterPlacement
 
 
@@ -42,12 +42,14 @@ def allocation_bytes(nbytes: int, pinned: bool) -> int:
 class HostAdapter:
     name: str
     placement: AdapterPlacement
-    streams: torch.Tensor  # [num_layers, num_pages * page_size]
+    scaling: float
+    weights: RawWeights
+    where: dict[str, tuple[int, str]]  # module path -> (layer, slice name), checked on read
 
     @property
     def nbytes(self) -> int:
-        return allocation_bytes(self.streams.numel() * self.streams.element_size(),
-                                self.streams.is_pinned())
+        data = self.weights.data
+        return allocation_bytes(data.numel() * data.element_size(), data.is_pinned())
 
 
 class HostCache:

@@ -10,7 +10,7 @@ warm-up calls). Differences from vLLM:
   punica wrapper, which computes from KV pages (worker/pool.py).
 - Residency is decided by the scheduler (scheduler/pages.py); `apply_step`
   carries out its `PoolStep` before each forward pass.
-- Loaded adapters are kept, in page layout, in a byte-bounded host tier
+- Loaded adapters are kept, as their weights files hold them, in a byte-bounded host tier
   (worker/host_cache.py), filled by `read_threads` background readers from
   the scheduler's prefetch hints (and by a runtime `add_lora`). A hint is
   read only when the tier has room beside the entries waiting requests still
@@ -43,7 +43,7 @@ from vllm.lora.worker_manager import WorkerLoRAManager
 from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_loraserve._patching import overlay
-from vllm_loraserve.adapters.peft import load_adapter, short_name
+from vllm_loraserve.adapters.peft import read_weights, short_name
 from vllm_loraserve.config import LoraServeConfig
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.layout import pack_layer
@@ -90,9 +90,9 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self.host = HostCache(cfg.host_budget())
         # Disk reads for prefetch run here, off the engine step; the host tier,
         # the reads under way and the failures are shared with them under _lock.
-        # One intra-op thread per reader: OpenMP gives every calling thread its
-        # own team, and readers with a team of all cores each packed no faster
-        # together than one alone (benchmarks/e2e/read_path.py).
+        # One intra-op thread per reader: the readers' only tensor op (copying
+        # an adapter_model.bin) would otherwise start an OpenMP team of all
+        # cores in every reader (benchmarks/e2e/read_path.py).
         self._reader = ThreadPoolExecutor(max_workers=cfg.read_threads,
                                           thread_name_prefix="loraserve-read",
                                           initializer=torch.set_num_threads, initargs=(1,))
@@ -173,7 +173,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             self._events.append((lora_id, tier, seconds))
 
     def _host_adapter(self, lora_request: Any) -> tuple[HostAdapter, bool]:
-        """For a step: the adapter in page layout, and whether the host tier
+        """For a step: the adapter's host entry, and whether the host tier
         had it: from the host tier, from a background read already under way,
         or read from disk now. (`load_inplace` stays set on every later request
         of a reloaded adapter; only `add_adapter` acts on it.)"""
@@ -188,6 +188,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         return self._read(lora_request), False
 
     def _entry_bytes(self, pages: int) -> int:
+        """An estimate of a read's host bytes, for adapters not read yet: their
+        page-layout size (the file holds about as much in the pool's dtype)."""
         dtype = self.lora_config.lora_dtype
         n = self.num_layers * pages * self.pool.layout.page_size * dtype.itemsize
         return allocation_bytes(n, self._pinned)
@@ -215,14 +217,14 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         future.add_done_callback(done)
 
     def _read(self, lora_request: Any, record_failure: bool = True) -> HostAdapter:
-        """Disk -> host tier: read and pack into page layout. A read that a
-        runtime add or remove of the same adapter overtook commits nothing."""
+        """Disk -> host tier. A read that a runtime add or remove of the same
+        adapter overtook commits nothing."""
         lora_id = lora_request.lora_int_id
         with self._lock:
             generation = self._generation.get(lora_id, 0)
         t0 = time.perf_counter()
         try:
-            entry = self._pack(lora_request)
+            entry = self._read_file(lora_request)
         except Exception as e:
             # Adapter files are input: whatever they raise fails this adapter only.
             reason = f"its files could not be read: {type(e).__name__}: {e}"
@@ -243,29 +245,47 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self._record(lora_id, "host", time.perf_counter() - t0)
         return entry
 
-    def _pack(self, lora_request: Any) -> HostAdapter:
-        # The project's reader, not vLLM's: vLLM's pins every A and B tensor
-        # (hundreds of small pinned allocations per adapter, serialized in the
-        # driver); here one pinned buffer is allocated per adapter.
-        spec, weights = load_adapter(lora_request.lora_path)
+    def _read_file(self, lora_request: Any) -> HostAdapter:
+        """Disk -> host buffer: the weights file's data in one pinned buffer
+        (one allocation and one copy per adapter; vLLM's loader pins every A
+        and B tensor apart), checked against the pool's layout. No tensor
+        math here: readers scale with threads, and the packing into page
+        layout runs on the device at load (`_device_streams`)."""
+        spec, raw = read_weights(lora_request.lora_path, self._host_buffer)
         layout = self.pool.layout
-        per_layer: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
-            {} for _ in range(self.num_layers)]
-        servable = {s.name for s in layout.slices}
-        for name, ab in weights.items():
+        where = {}
+        for name, (a, b) in raw.modules.items():
             short = short_name(name)
-            if short not in servable:
+            if short not in {s.name for s in layout.slices}:
                 raise ValueError(f"adapter {lora_request.lora_name} targets {name}, which "
                                  "the loraserve pool does not serve")
-            per_layer[extract_layer_index(name)][short] = ab
+            s = layout.slices[layout.slice_index(short)]
+            if (a.shape[1], b.shape[0]) != (s.in_features, s.out_features):
+                raise ValueError(f"{name} is {a.shape[1]} -> {b.shape[0]}, the model's "
+                                 f"{short} is {s.in_features} -> {s.out_features}")
+            where[name] = (extract_layer_index(name), short)
         placement = layout.place(spec.rank, spec.target_modules)
-        dtype = self.lora_config.lora_dtype
-        streams = torch.empty((self.num_layers, placement.num_pages * layout.page_size),
-                              dtype=dtype,
-                              pin_memory=self._pinned)
+        return HostAdapter(lora_request.lora_name, placement, spec.scaling, raw, where)
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned)
+
+    def _device_streams(self, entry: HostAdapter) -> torch.Tensor:
+        """The entry's page streams ([layers, pages * page_size]) on the
+        device: one host-to-device copy of the file's bytes, then A copied
+        and B transposed and scaled there (pack_layer), on the compute stream."""
+        layout, dtype = self.pool.layout, self.lora_config.lora_dtype
+        data = entry.weights.data.to(self.device, non_blocking=True)
+        per_layer: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
+            {} for _ in range(self.num_layers)]
+        for name, ab in entry.weights.tensors(data).items():
+            layer, short = entry.where[name]
+            per_layer[layer][short] = ab
+        streams = torch.empty((self.num_layers, entry.placement.num_pages * layout.page_size),
+                              dtype=dtype, device=self.device)
         for layer, w in enumerate(per_layer):
-            pack_layer(layout, placement, w, spec.scaling, dtype, out=streams[layer])
-        return HostAdapter(lora_request.lora_name, placement, streams)
+            pack_layer(layout, entry.placement, w, entry.scaling, dtype, out=streams[layer])
+        return streams
 
     # -- the scheduler's page decisions ---------------------------------------
     def apply_step(self, step: PoolStep | None, idle: bool = False) -> None:
@@ -313,7 +333,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                 self.prefetch_misses += not hit
             t0 = time.perf_counter()
             self.pool.load(load.slot, lr.lora_int_id, entry.placement, load.page_ids,
-                           entry.streams)
+                           self._device_streams(entry))
             self._record(lr.lora_int_id, "gpu", time.perf_counter() - t0)
 
     def report(self) -> PoolReport:
