@@ -102,6 +102,22 @@ def test_page_pressure_evicts_idle_adapters_and_outputs_stay_exact(case, tmp_pat
     assert pool["host_bytes"] <= 4 << 20 or pool["host_adapters"] == 1
 
 
+def test_adapters_of_waiting_requests_are_loaded_ahead_into_free_pages(case, tmp_path):
+    """Two requests run at a time (max_num_seqs 2), so most wait with their
+    adapter already in the host tier and KV pages free: those adapters are
+    loaded into pages before their requests' admission, each once, and
+    outputs stay exact (a wrong or unfinished ahead load would change them)."""
+    model, reqs = case
+    engine = {"max_loras": 1, "max_lora_rank": 128, "max_num_seqs": 2,
+              "additional_config": {"loraserve": {}}}
+    run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS,
+                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    check(model, reqs, run["outputs"])
+    pool = run["residency"]["pool"]
+    assert pool["page_loads"] == 10 and pool["page_evictions"] == 0
+    assert pool["page_loads_ahead"] >= 5
+
+
 def test_an_adapter_the_pool_cannot_serve_fails_alone(case, tiny_assets, tmp_path):
     """Offline LLM has no API-server checks: an lm_head adapter reaches the
     scheduler, which fails its requests and keeps serving the others."""

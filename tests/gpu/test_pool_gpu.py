@@ -108,3 +108,20 @@ def test_pool_bf16_matches_hf_peft_and_stock_vllm(case, tmp_path):
     assert report["pool"]["peak_batch_adapters"] == len(ADAPTERS)
     assert not problems, "\n".join(problems)
     assert torch.cuda.is_available()
+
+
+def test_loads_ahead_on_the_side_stream_match_hf_peft(case, tmp_path):
+    """Four requests run at a time, so adapters of waiting requests are
+    loaded ahead into free pages on the worker's side stream, beside the
+    step's forward pass; each must be complete before its requests run."""
+    model, reqs = case
+    engine = {"max_lora_rank": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.5,
+              "max_loras": 1, "additional_config": {"loraserve": {}}}
+    pool = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS,
+                    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, dtype="bfloat16")
+    ref = HFReference(model, device="cuda")
+    worst = {req.lora_name or "base": max(_deltas(ref, req, out))
+             for req, out in zip(reqs, pool["outputs"], strict=True)}
+    stats = pool["residency"]["pool"]
+    assert stats["page_loads_ahead"] > 0, stats
+    assert max(worst.values()) <= LOGPROB_TOL, worst

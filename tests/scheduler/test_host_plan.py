@@ -54,3 +54,60 @@ def test_an_adapter_the_scheduler_cannot_size_is_still_read():
     hints, _ = plan(waiting=[7], bad={7})
     assert hints == [(7, 0)]
 
+
+
+class _Pages:
+    """AdapterPages' load_ahead over a free-block count (the real one is
+    tested in test_pages.py): what the scheduler asks of it, in order."""
+
+    def __init__(self, free: int, resident=()):
+        self.free, self.resident, self.asked = free, set(resident), []
+
+    def load_ahead(self, lr, reserve):
+        self.asked.append(lr.lora_int_id)
+        if lr.lora_int_id in self.resident:
+            return False
+        if lr.lora_int_id == 9:
+            raise AdapterError("malformed")
+        if self.free - 10 < reserve:
+            return False
+        self.free -= 10
+        self.resident.add(lr.lora_int_id)
+        return True
+
+
+def load_ahead(waiting, free, host_ready, resident=(), failed_requests=()):
+    pages = _Pages(free, resident)
+    reqs = [SimpleNamespace(request_id=f"q{n}", **vars(request(i)))
+            for n, i in enumerate(waiting)]
+    s = SimpleNamespace(waiting=reqs, skipped_waiting=[], adapter_pages=pages,
+                        _host_ready=frozenset(host_ready),
+                        _adapter_failures={f"q{n}": "x" for n in failed_requests},
+                        kv_cache_manager=SimpleNamespace(
+                            block_pool=SimpleNamespace(num_gpu_blocks=100)))
+    PoolSchedulerMixin._load_ahead(s)
+    return pages
+
+
+def test_load_ahead_takes_host_ready_waiting_adapters_in_queue_order():
+    # 2 is not in the host tier (its read is under way); 5 is resident; 9 cannot
+    # be served (its admission fails it); the reserve is 10 of 100 blocks.
+    pages = load_ahead(waiting=[1, 2, None, 9, 5, 1, 3, 4], free=45,
+                       host_ready={1, 3, 4, 5, 9}, resident={5})
+    assert pages.asked == [1, 9, 5, 3, 4] and pages.resident == {5, 1, 3, 4}
+
+
+def test_load_ahead_stops_at_the_first_adapter_without_room():
+    pages = load_ahead(waiting=[1, 3, 4, 6], free=35, host_ready={1, 3, 4, 6})
+    assert pages.asked == [1, 3, 4] and pages.resident == {1, 3}
+
+
+def test_load_ahead_is_bounded_per_step(monkeypatch):
+    monkeypatch.setattr(sched, "LOAD_AHEAD", 2)
+    pages = load_ahead(waiting=[1, 3, 4], free=100, host_ready={1, 3, 4})
+    assert pages.resident == {1, 3}
+
+
+def test_a_request_already_failed_loads_nothing():
+    pages = load_ahead(waiting=[1], free=100, host_ready={1}, failed_requests=[0])
+    assert pages.asked == []

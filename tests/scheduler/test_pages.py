@@ -128,6 +128,40 @@ def test_slots_are_bounded():
     check_invariants(ap)
 
 
+def test_load_ahead_uses_free_pages_only_and_admission_then_hits():
+    ap = make(num_blocks=1 + 40)
+    assert ap.acquire("r1", lr(4))  # 17 pages in use; 23 free
+    assert not ap.load_ahead(lr(3), reserve=15)  # 9 pages would leave 14 < 15 free
+    assert ap.take_step().loads and 3 not in ap.resident
+    assert ap.load_ahead(lr(3), reserve=14)
+    (load,) = ap.take_step().loads
+    assert load.ahead and load.lora_request.lora_int_id == 3 and len(load.page_ids) == 9
+    assert ap.resident[3].refs == 0 and 3 in ap._idle and ap.stats.ahead == 1
+    assert not ap.load_ahead(lr(3), reserve=0)  # resident: nothing to do
+    assert not ap.load_ahead(lr(1), reserve=14)  # never evicts to make room
+    assert set(ap.resident) == {4, 3}
+    check_invariants(ap)
+    assert ap.acquire("r2", lr(3))  # the waiting request's admission: a hit, no load
+    assert not ap.take_step().loads and ap.stats.hits == 1 and ap.resident[3].refs == 1
+    check_invariants(ap)
+
+
+def test_older_idle_adapters_are_evicted_before_one_loaded_ahead():
+    """Loaded ahead = most recently used: older idle adapters go first."""
+    ap = make(num_blocks=1 + 3 + 5 + 9)
+    assert ap.acquire("r1", lr(1))
+    ap.release("r1")  # idle, least recently used
+    assert ap.load_ahead(lr(2), reserve=0)
+    assert ap.evict_lru() and set(ap.resident) == {2}
+    check_invariants(ap)
+
+
+def test_load_ahead_needs_a_free_slot():
+    ap = make(max_slots=1)
+    assert ap.acquire("r1", lr(1))
+    assert not ap.load_ahead(lr(2), reserve=0) and set(ap.resident) == {1}
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_random_churn_keeps_every_invariant(seed):
     rng = random.Random(seed)
@@ -138,6 +172,8 @@ def test_random_churn_keeps_every_invariant(seed):
             ap.release(live.pop(rng.randrange(len(live))))
         elif rng.random() < 0.05:
             ap.forget(rng.choice(list(PAGES)))
+        elif rng.random() < 0.1:
+            ap.load_ahead(lr(rng.choice(list(PAGES))), reserve=rng.randrange(10))
         else:
             req = f"r{n}"
             if ap.acquire(req, lr(rng.choice(list(PAGES)))):

@@ -71,7 +71,9 @@ class Metrics:
             "hold KV or are free).", ["kind"])
         self.pool_events = Gauge(
             "loraserve_pool_page_events",
-            "Adapter page loads (host tier to KV pages) and evictions since start.", ["event"])
+            "Adapter page loads (host tier to KV pages) and evictions since start; "
+            "load_ahead: the loads among them made for waiting requests before their "
+            "admission (copied beside a step's forward pass on a GPU).", ["event"])
         self.pool_host_bytes = Gauge(
             "loraserve_pool_host_bytes", "Bytes of adapters held in the pool's host tier.")
         self.pool_prefetch = Gauge(
@@ -90,6 +92,7 @@ class Metrics:
         self.pool_pages.labels("total").set(pool["total_pages"])
         self.pool_events.labels("load").set(pool["page_loads"])
         self.pool_events.labels("eviction").set(pool["page_evictions"])
+        self.pool_events.labels("load_ahead").set(pool["page_loads_ahead"])
         self.pool_host_bytes.set(pool["host_bytes"])
         self.pool_prefetch.labels("hit").set(pool["prefetch_hits"])
         self.pool_prefetch.labels("miss").set(pool["prefetch_misses"])

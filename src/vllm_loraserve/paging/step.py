@@ -30,12 +30,18 @@ REPORT_ATTR = "loraserve"
 
 @dataclass(frozen=True)
 class PageLoad:
-    """Write adapter `lora_request` (rank `rank`) into `page_ids`; it lives in `slot`."""
+    """Write adapter `lora_request` (rank `rank`) into `page_ids`; it lives in `slot`.
+
+    `ahead`: no request of this step uses it (S-LoRA's prefetch into pages,
+    for a waiting request); the worker may copy it alongside the step's
+    forward pass, on a side stream, as long as it is complete before the
+    next step's."""
 
     slot: int
     lora_request: Any  # vllm.lora.request.LoRARequest
     rank: int
     page_ids: tuple[int, ...]
+    ahead: bool = False
 
 
 @dataclass(frozen=True)

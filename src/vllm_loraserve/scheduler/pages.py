@@ -14,7 +14,9 @@ Invariants (tests/scheduler/test_pages.py):
   evicted; idle adapters are evicted least recently used first;
 - slots of resident adapters are distinct and below `max_slots`;
 - `acquire` either succeeds or changes nothing (no eviction is wasted on an
-  admission that cannot succeed).
+  admission that cannot succeed);
+- `load_ahead` never evicts and never leaves fewer than `reserve` blocks
+  free: an adapter loaded ahead is idle (evictable) until a request acquires it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class PoolStats:
     evictions: int = 0
     hits: int = 0  # acquires that found the adapter resident
     misses: int = 0  # acquires that had to load it
+    ahead: int = 0  # loads for waiting requests, before their admission
 
 
 @dataclass
@@ -108,6 +111,27 @@ class AdapterPages:
         r.refs += 1
         self._idle.pop(lora_id, None)
         self._holders[request_id] = lora_id
+        return True
+
+    def load_ahead(self, lora_request: Any, reserve: int) -> bool:
+        """Make a waiting request's adapter resident now, idle, from free
+        blocks only (no eviction), leaving at least `reserve` blocks free for
+        KV; its admission then finds it resident (S-LoRA's prefetch). False,
+        with nothing changed, when it is resident already or does not fit.
+        Raises as `demand` does."""
+        lora_id = lora_request.lora_int_id
+        if lora_id in self.resident:
+            return False
+        rank, need = self.demand(lora_request)
+        if not self._free_slots or self.block_pool.get_num_free_blocks() - need < reserve:
+            return False
+        r = Resident(lora_request, self._free_slots.pop(), rank,
+                     self.block_pool.get_new_blocks(need))
+        self.resident[lora_id] = r
+        self._idle[lora_id] = None  # most recently used: evicted after older idle ones
+        self._step.loads.append(PageLoad(r.slot, lora_request, rank,
+                                         tuple(b.block_id for b in r.blocks), ahead=True))
+        self.stats.ahead += 1
         return True
 
     def release(self, request_id: str) -> None:

@@ -53,6 +53,13 @@ logger = logging.getLogger(f"vllm.{__name__}")
 # steps, few enough not to churn a host tier that holds only tens of large
 # adapters.
 PREFETCH_AHEAD = 16
+# Adapters loaded into pages per step for waiting requests (their host copy
+# ready), and the share of KV blocks those loads leave free: the workers
+# copy them beside the step's forward pass, and KV growth of the running
+# requests keeps its room (an idle adapter is evicted before any KV is
+# refused anyway, but its copy is then wasted).
+LOAD_AHEAD = 4
+LOAD_AHEAD_FREE = 0.10
 
 
 def page_elements(vllm_config: Any, kv_cache_config: Any) -> int:
@@ -177,6 +184,7 @@ class PoolSchedulerMixin:
         finally:
             for queue, requests in held:
                 queue.prepend_requests(requests)
+        self._load_ahead()
         step = self.adapter_pages.take_step()
         step.prefetch, step.keep = self._host_plan()
         step.waits, self._waits = self._waits, []
@@ -208,6 +216,33 @@ class PoolSchedulerMixin:
                 self._held_since.setdefault(request.request_id, now)
             held.append((queue, take_out(queue, cold, self.policy)))
         return held
+
+    def _load_ahead(self) -> None:
+        """S-LoRA's prefetch into pages: after the step's admissions, the
+        first LOAD_AHEAD waiting adapters in the host tier but not resident
+        are loaded into free pages (never evicting; at least LOAD_AHEAD_FREE
+        of the blocks stay free), so the workers copy them beside this step
+        and their requests' admission finds them resident."""
+        pool = self.kv_cache_manager.block_pool
+        reserve = int(LOAD_AHEAD_FREE * pool.num_gpu_blocks)
+        loaded, seen = 0, set()
+        for queue in (self.skipped_waiting, self.waiting):
+            for request in queue:
+                lr = request.lora_request
+                if loaded >= LOAD_AHEAD:
+                    return
+                if lr is None or lr.lora_int_id in seen or \
+                        lr.lora_int_id not in self._host_ready or \
+                        request.request_id in self._adapter_failures:
+                    continue
+                seen.add(lr.lora_int_id)
+                try:
+                    if self.adapter_pages.load_ahead(lr, reserve):
+                        loaded += 1
+                    elif lr.lora_int_id not in self.adapter_pages.resident:
+                        return  # no room: later adapters do not take pages before this one
+                except AdapterError:
+                    continue  # its admission fails it, with the reason
 
     def _host_plan(self) -> tuple[list[Prefetch], list[int]]:
         """What the workers' host tier should hold for the waiting queue:

@@ -48,7 +48,7 @@ from vllm_loraserve.config import LoraServeConfig
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.layout import pack_layer
 from vllm_loraserve.paging.model import model_layout, module_slice_names
-from vllm_loraserve.paging.step import PoolReport, PoolStep, Prefetch
+from vllm_loraserve.paging.step import PageLoad, PoolReport, PoolStep, Prefetch
 from vllm_loraserve.worker.host_cache import HostAdapter, HostCache, allocation_bytes
 from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker.pool import DevicePool
@@ -115,7 +115,10 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self._waits: deque[float] = deque(maxlen=MAX_BUFFERED_EVENTS)
         self.pool: DevicePool  # made by create_lora_manager
         self._dummy_ids: set[int] = set()
-        self.page_loads = self.page_evictions = 0
+        self.page_loads = self.page_evictions = self.page_loads_ahead = 0
+        # Loads for waiting requests (PageLoad.ahead) run on this stream on a GPU.
+        self._side = (torch.cuda.Stream(self.device)
+                      if torch.device(self.device).type == "cuda" else None)
         self._events: deque[tuple[int, str, float]] = deque(maxlen=MAX_BUFFERED_EVENTS)
         self.dropped_events = 0
 
@@ -292,6 +295,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         """Carry out the scheduler's page decisions before the forward pass.
         `idle`: the step runs no tokens (every waiting request's adapter is
         still being read); wait briefly for a read instead of spinning."""
+        if self._side is not None:  # the last steps' loads ahead are in place first
+            torch.cuda.current_stream().wait_stream(self._side)
         self._keep = frozenset(step.keep) if step else frozenset()
         if step:
             self._apply(step)
@@ -332,9 +337,21 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                 self.prefetch_hits += hit
                 self.prefetch_misses += not hit
             t0 = time.perf_counter()
-            self.pool.load(load.slot, lr.lora_int_id, entry.placement, load.page_ids,
-                           self._device_streams(entry))
+            if load.ahead and self._side is not None:
+                # No request of this step uses it: copy beside the forward pass,
+                # after whatever read its pages before (as KV or as another
+                # adapter); the next step's forward waits for it (above).
+                self._side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self._side):
+                    self._load(load, entry)
+            else:
+                self._load(load, entry)
+            self.page_loads_ahead += load.ahead
             self._record(lr.lora_int_id, "gpu", time.perf_counter() - t0)
+
+    def _load(self, load: PageLoad, entry: HostAdapter) -> None:
+        self.pool.load(load.slot, load.lora_request.lora_int_id, entry.placement,
+                       load.page_ids, self._device_streams(entry))
 
     def report(self) -> PoolReport:
         with self._lock:
@@ -407,6 +424,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                 "events": events, "dropped_events": self.dropped_events,
                 "adapter_waits": waits,
                 "pool": {"page_loads": self.page_loads, "page_evictions": self.page_evictions,
+                         "page_loads_ahead": self.page_loads_ahead,
                          "adapter_pages": self.pool.pages_held,
                          "total_pages": self.pool.pages[0].shape[0] if self.pool.pages else 0,
                          "page_size": self.pool.layout.page_size if self.pool.layout else 0,
