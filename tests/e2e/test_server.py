@@ -24,7 +24,9 @@ from .server import metric_samples, vllm_server
 
 pytestmark = pytest.mark.e2e
 BASE = "tiny"
-HOST_BYTES = 16 << 20
+# The host tier holds the files' bytes: r8 0.3 MB, r64 2.5 MB and r128 5.0 MB fit
+# together (test_residency_follows_use), one more r32 (1.25 MB) does not.
+HOST_BYTES = 8 << 20
 
 
 # Good adapters, broken on disk after start-up by the test that uses them.
@@ -51,7 +53,7 @@ def server(tiny_assets, victims, tmp_path_factory, runtime_root):
     build_bad_adapters(tiny_assets, str(bad))
     build_inf_weights(tiny_assets, str(bad))
     adapters = os.path.join(tiny_assets, "adapters")
-    # One vLLM slot; 48 KV pages (47 usable) and a 16 MiB host tier hold a few
+    # One vLLM slot; 48 KV pages (47 usable) and an 8 MiB host tier hold a few
     # of the adapters at a time, so residency moves with use.
     args = ["--plugin", "loraserve", "--served-model-name", BASE,
             "--max-lora-rank", "128", "--max-loras", "1", "--num-gpu-blocks-override", "48",

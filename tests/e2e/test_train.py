@@ -110,3 +110,5 @@ def test_publish_moves_alias_and_in_flight_request_keeps_its_version(server, tra
     assert mismatches(ref, Request(prompt, "v1b", v1), new, 6)  # the versions differ
     listed = httpx.get(f"{server}/loraserve/v1/adapters", timeout=60).json()["adapters"]
     assert {"pub@1", "pub@2"} <= {a["name"] for a in listed}
+    ids = [m["id"] for m in httpx.get(f"{server}/v1/models", timeout=60).json()["data"]]
+    assert all(ids.count(name) == 1 for name in ("pub", "pub@1", "pub@2")), ids

@@ -30,7 +30,8 @@ With the plugin active:
   LoRARequest, resolved once per request at admission
   (`_maybe_get_adapters`): a request in flight keeps the version it started
   with, later ones get the new one. Unloading the version the alias points
-  to moves it to the newest version left, or removes it.
+  to moves it to the newest version left, or removes it. `/v1/models` lists
+  the alias under its own name (vLLM would list the version twice).
 """
 
 from __future__ import annotations
@@ -250,6 +251,23 @@ def _make_unload_lora_adapter(unload_lora_adapter):
     return patched
 
 
+def _make_show_available_models(show_available_models):
+    async def patched(self):
+        models = await show_available_models(self)
+        if catalog_of(self) is None:
+            return models
+        # vLLM makes one card per lora_requests value, named by the request:
+        # an alias shares its version's request. One card per key instead.
+        loras = {r.lora_name for r in self.lora_requests.values()}
+        template = {c.id: c for c in models.data if c.id in loras}
+        models.data = [c for c in models.data if c.id not in loras] + [
+            template[r.lora_name].model_copy(update={"id": name})
+            for name, r in self.lora_requests.items() if r.lora_name in template]
+        return models
+
+    return patched
+
+
 def _make_check_model(check_model):
     async def patched(self, request):
         catalog = catalog_of(self.models)
@@ -278,4 +296,5 @@ def install() -> None:
     wrap(OpenAIServingModels, "load_lora_adapter", _make_load_lora_adapter)
     wrap(OpenAIServingModels, "init_static_loras", _make_init_static_loras)
     wrap(OpenAIServingModels, "unload_lora_adapter", _make_unload_lora_adapter)
+    wrap(OpenAIServingModels, "show_available_models", _make_show_available_models)
     wrap(BaseServing, "_check_model", _make_check_model)
