@@ -113,6 +113,7 @@ CONTRACT: tuple[Symbol, ...] = (
        why="checks before a runtime load"),
     _p(f"{_OSM}.init_static_loras", "self", why="catalogue, adapter directories"),
     _p(f"{_OSM}.unload_lora_adapter", "self", "request", why="unload frees the worker copy"),
+    _p(f"{_OSM}.show_available_models", "self", why="/v1/models lists an alias once"),
     _s(_OSM, attrs=("engine_client", "lora_requests", "lora_id_counter", "static_lora_modules",
                     "base_model_paths"),
        why="the catalogue registers adapters by name"),

@@ -309,3 +309,26 @@ def test_register_copies_off_the_event_loop(upstreams, tiny_assets):
         assert answered < 1.0, f"/health answered {answered:.2f} s in, behind the 1.5 s copy"
     run_router(upstreams, body, registry=slow_copy,
                adapter_roots=[os.path.join(tiny_assets, "adapters")])
+
+
+def test_published_versions_move_the_alias(upstreams, tiny_assets):
+    """train/publish.py registers `name@step` versions: the alias `name`
+    routes to the newest, a request keeps the version it resolved to, and
+    unregistering the newest moves the alias back (then away)."""
+    async def body(client, core):
+        good = os.path.join(tiny_assets, "adapters", "adapter-001-r16")
+        for version in ("pub@1", "pub@2"):
+            r = await client.post("/admin/adapters", json={"name": version, "path": good})
+            assert r.status_code == 200, r.text
+        r = await client.post("/v1/completions", json={"model": "pub", "prompt": "hi"})
+        assert r.status_code == 200 and r.json()["model"] == "pub@2"
+        models = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
+        assert models["pub"]["alias_of"] == "pub@2" and models["pub"]["rank"] == 16
+        assert "pub@1" in models and "pub@2" in models
+        assert (await client.delete("/admin/adapters/pub@2")).status_code == 200
+        r = await client.post("/v1/completions", json={"model": "pub", "prompt": "hi"})
+        assert r.status_code == 200 and r.json()["model"] == "pub@1"
+        assert (await client.delete("/admin/adapters/pub@1")).status_code == 200
+        r = await client.post("/v1/completions", json={"model": "pub", "prompt": "hi"})
+        assert r.status_code == 404
+    run_router(upstreams, body, adapter_roots=[os.path.join(tiny_assets, "adapters")])

@@ -8,7 +8,9 @@ OpenAI-compatible: `/v1/models`, `/v1/completions`, `/v1/chat/completions`
 `Authorization: Bearer <token>` (401 otherwise). A registered adapter must
 have a safe name and lie under the router's adapter roots (403 otherwise);
 it is read and checked against the model (an engine's
-`/loraserve/v1/model`) in a thread before it is copied anywhere.
+`/loraserve/v1/model`) in a thread before it is copied anywhere. A
+registered `name@version` (train/publish.py) moves the alias `name` to it;
+a request for `name` is sent as the version it resolves to on arrival.
 
 A request that fails before its first byte (engine down) is retried once on
 another engine that holds the adapter; a failure after that ends the stream
@@ -172,6 +174,9 @@ def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float 
         data = [{"id": core.base_model, "object": "model", "owned_by": "loraserve"}]
         data += [{"id": a, "object": "model", "owned_by": "loraserve", "parent": core.base_model,
                   "rank": r} for a, r in sorted(core.catalog.items())]
+        data += [{"id": a, "object": "model", "owned_by": "loraserve", "parent": core.base_model,
+                  "rank": core.catalog[v], "alias_of": v}
+                 for a, v in sorted(core.aliases.items()) if a not in core.catalog]
         return {"object": "list", "data": data}
 
     async def proxy(path: str, request: Request) -> Response:
@@ -185,6 +190,8 @@ def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float 
         if not isinstance(model, str):
             return _error(400, "give the model (base model or adapter name) as `model`",
                           "BadRequestError")
+        if core.resolve(model) != model:  # an alias: the request runs on the version
+            body["model"] = model = core.resolve(model)  # it resolves to now, to its end
         if model in core.invalid:
             return _error(400, f"adapter `{model}` cannot be served: {core.invalid[model]}",
                           "BadRequestError")

@@ -115,6 +115,8 @@ class RouterCore:
         self.engines = dict(engines)
         self.catalog = dict(catalog)  # adapter -> rank, the adapters being served
         self.invalid: dict[str, str] = {}  # adapter -> why no engine can serve it
+        # name -> its newest published version name@version (`resolve`)
+        self.aliases = {a.partition("@")[0]: a for a in self.catalog if "@" in a}
         self.base_model = base_model
         self.profile, self.config = profile, config
         self.policy = get_policy(config.policy, config.seed)
@@ -355,6 +357,12 @@ class RouterCore:
                 await self._apply(self._place(self.demand.estimate()))
 
     # -- requests ------------------------------------------------------------
+    def resolve(self, model: str) -> str:
+        """The adapter a request's `model` names: itself, or for the alias
+        `name` of published versions `name@version`, the newest registered
+        one (an adapter registered as plain `name` keeps its name)."""
+        return model if model in self.catalog else self.aliases.get(model, model)
+
     def choose(self, model: str, exclude: Collection[int] = ()) -> int | None:
         """The engine for a request, or None if no live engine can take it."""
         skip = set(exclude) | (set(self.engines) - self.alive)
@@ -451,6 +459,9 @@ class RouterCore:
                                                        [rank])
             self.invalid.pop(adapter, None)
             self.catalog[adapter] = rank
+            alias = adapter.partition("@")[0]
+            if alias != adapter:  # a published version (train/publish.py): the newest
+                self.aliases[alias] = adapter
             self.holders.setdefault(adapter, set())
             live = self.live()
             if live:  # placed with a share at once; rebalancing refines it
@@ -460,6 +471,13 @@ class RouterCore:
     async def unregister(self, adapter: str) -> None:
         async with self._placement_lock:
             self.catalog.pop(adapter, None)
+            alias = adapter.partition("@")[0]
+            if self.aliases.get(alias) == adapter:  # to the newest version left, or gone
+                left = [a for a in self.catalog if a != alias and a.partition("@")[0] == alias]
+                if left:
+                    self.aliases[alias] = left[-1]
+                else:
+                    del self.aliases[alias]
             # its pairs drain and unload like any pair that left the placement
             await self._apply({a: v for a, v in self.assignment.items() if a != adapter})
 
