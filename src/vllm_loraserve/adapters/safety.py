@@ -43,6 +43,12 @@ def check_name(name: object, reserved: Collection[str] = ()) -> str:
     return name
 
 
+def alias_of(name: str) -> str:
+    """The name a published version `name@version` is served under as an
+    alias (`name`); a plain name is its own."""
+    return name.partition("@")[0]
+
+
 def resolve_under_roots(path: str, roots: Collection[str]) -> str:
     """The real path of `path` if it lies inside one of `roots` (each
     resolved too), else PathOutsideRoots naming the roots."""

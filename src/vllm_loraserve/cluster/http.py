@@ -190,8 +190,8 @@ def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float 
         if not isinstance(model, str):
             return _error(400, "give the model (base model or adapter name) as `model`",
                           "BadRequestError")
-        if core.resolve(model) != model:  # an alias: the request runs on the version
-            body["model"] = model = core.resolve(model)  # it resolves to now, to its end
+        # An alias runs on the version it resolves to now, to its end.
+        body["model"] = model = core.resolve(model)
         if model in core.invalid:
             return _error(400, f"adapter `{model}` cannot be served: {core.invalid[model]}",
                           "BadRequestError")

@@ -43,6 +43,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 
+from vllm_loraserve.adapters.safety import alias_of
 from vllm_loraserve.cluster import migration
 from vllm_loraserve.cluster.demand import DemandTracker
 from vllm_loraserve.cluster.engine import AdapterRejected
@@ -116,7 +117,7 @@ class RouterCore:
         self.catalog = dict(catalog)  # adapter -> rank, the adapters being served
         self.invalid: dict[str, str] = {}  # adapter -> why no engine can serve it
         # name -> its newest published version name@version (`resolve`)
-        self.aliases = {a.partition("@")[0]: a for a in self.catalog if "@" in a}
+        self.aliases = {alias_of(a): a for a in self.catalog if alias_of(a) != a}
         self.base_model = base_model
         self.profile, self.config = profile, config
         self.policy = get_policy(config.policy, config.seed)
@@ -459,7 +460,7 @@ class RouterCore:
                                                        [rank])
             self.invalid.pop(adapter, None)
             self.catalog[adapter] = rank
-            alias = adapter.partition("@")[0]
+            alias = alias_of(adapter)
             if alias != adapter:  # a published version (train/publish.py): the newest
                 self.aliases[alias] = adapter
             self.holders.setdefault(adapter, set())
@@ -471,9 +472,9 @@ class RouterCore:
     async def unregister(self, adapter: str) -> None:
         async with self._placement_lock:
             self.catalog.pop(adapter, None)
-            alias = adapter.partition("@")[0]
+            alias = alias_of(adapter)
             if self.aliases.get(alias) == adapter:  # to the newest version left, or gone
-                left = [a for a in self.catalog if a != alias and a.partition("@")[0] == alias]
+                left = [a for a in self.catalog if a != alias and alias_of(a) == alias]
                 if left:
                     self.aliases[alias] = left[-1]
                 else:

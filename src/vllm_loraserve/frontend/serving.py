@@ -44,7 +44,12 @@ from typing import Any
 from vllm_loraserve._patching import wrap
 from vllm_loraserve.adapters.directory import scan_adapter_dir
 from vllm_loraserve.adapters.peft import ModelLoRAInfo
-from vllm_loraserve.adapters.safety import PathOutsideRoots, check_name, resolve_under_roots
+from vllm_loraserve.adapters.safety import (
+    PathOutsideRoots,
+    alias_of,
+    check_name,
+    resolve_under_roots,
+)
 from vllm_loraserve.config import from_vllm_config
 from vllm_loraserve.frontend import errors
 from vllm_loraserve.frontend.catalog import AdapterCatalog
@@ -156,7 +161,7 @@ def _make_load_lora_adapter(load_lora_adapter):
             return _bad_adapter(name, result.error.message)
         catalog.record(entry)
         catalog.bind(name, self.lora_requests[name].lora_int_id)
-        alias = name.partition("@")[0]
+        alias = alias_of(name)
         if alias != name and alias not in catalog.entries:
             self.lora_requests[alias] = self.lora_requests[name]
             logger.info("LoRA alias '%s' now serves '%s'", alias, name)
@@ -168,13 +173,13 @@ def _make_load_lora_adapter(load_lora_adapter):
 def _repoint_alias(models: Any, catalog: AdapterCatalog, unloaded: str) -> None:
     """After `unloaded` (a versioned name) is gone: its alias moves to the
     newest (last loaded) version left, or is removed."""
-    alias = unloaded.partition("@")[0]
+    alias = alias_of(unloaded)
     current = models.lora_requests.get(alias)
     if alias == unloaded or alias in catalog.entries or current is None or \
             current.lora_name != unloaded:
         return
     left = [r for n, r in models.lora_requests.items()
-            if n != alias and n.partition("@")[0] == alias]
+            if n != alias and alias_of(n) == alias]
     if left:
         models.lora_requests[alias] = max(left, key=lambda r: r.lora_int_id)
     else:

@@ -256,13 +256,14 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         layout runs on the device at load (`_device_streams`)."""
         spec, raw = read_weights(lora_request.lora_path, self._host_buffer)
         layout = self.pool.layout
+        slices = {s.name: s for s in layout.slices}
         where = {}
         for name, (a, b) in raw.modules.items():
             short = short_name(name)
-            if short not in {s.name for s in layout.slices}:
+            s = slices.get(short)
+            if s is None:
                 raise ValueError(f"adapter {lora_request.lora_name} targets {name}, which "
                                  "the loraserve pool does not serve")
-            s = layout.slices[layout.slice_index(short)]
             if (a.shape[1], b.shape[0]) != (s.in_features, s.out_features):
                 raise ValueError(f"{name} is {a.shape[1]} -> {b.shape[0]}, the model's "
                                  f"{short} is {s.in_features} -> {s.out_features}")
