@@ -10,7 +10,8 @@ thread each), new pinned allocations and reused ones:
   every layer packed into page layout on the host (`pack_layer`: A copied,
   B transposed and scaled).
 On a CUDA machine it also times the device side of loading `raw` entries:
-one host-to-device copy, then `pack_layer` on the GPU.
+one host-to-device copy, then the packing on the GPU, layer by layer
+(`pack_layer`) and all layers at once (`pack_layers`, the worker's).
 
     python benchmarks/e2e/read_path.py --out read_path.json
 """
@@ -26,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from vllm_loraserve.adapters.peft import load_adapter, read_weights, short_name, write_adapter
-from vllm_loraserve.paging.layout import LayerLayout, SliceSpec, pack_layer
+from vllm_loraserve.paging.layout import LayerLayout, SliceSpec, pack_layer, pack_layers
 
 H, LAYERS, PAGE, RANKS = 4096, 32, 2 * 16 * 32 * 128, (8, 16, 32, 64, 128)
 SLICES = tuple(SliceSpec(n, H, H) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
@@ -88,21 +89,36 @@ def per_layer(weights) -> list[dict]:
 
 
 def device_pack(entries) -> dict:
-    """The device side of loading `raw` entries: H2D copy + pack_layer on the GPU."""
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for spec, raw in entries:
-        data = raw.data.to("cuda", non_blocking=True)
-        placement = LAYOUT.place(spec.rank, spec.target_modules)
-        streams = torch.empty((LAYERS, placement.num_pages * PAGE), dtype=torch.bfloat16,
-                              device="cuda")
-        for layer, w in enumerate(per_layer(raw.tensors(data))):
-            pack_layer(LAYOUT, placement, w, spec.scaling, torch.bfloat16, out=streams[layer])
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t
+    """The device side of loading `raw` entries: the H2D copy, then the
+    packing on the GPU, two ways: layer by layer (`pack_layer`, the launch
+    pattern of the previous load) and all layers at once (`pack_layers`, what
+    the worker does). `host_ms`: the host's time to issue it all (a step waits
+    for that); `wall_ms`: until the GPU is done."""
+    out = {}
     mb = sum(raw.data.numel() for _, raw in entries) / 1e6
-    return dict(adapters=len(entries), ms_per_adapter=round(1e3 * wall / len(entries), 2),
-                gb_per_s=round(mb / 1e3 / wall, 2))
+    for how in ("per-layer", "all-layers", "per-layer", "all-layers"):  # second pass warm
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for spec, raw in entries:
+            data = raw.data.to("cuda", non_blocking=True)
+            placement = LAYOUT.place(spec.rank, spec.target_modules)
+            layers = per_layer(raw.tensors(data))
+            if how == "all-layers":
+                pack_layers(LAYOUT, placement, layers, spec.scaling, torch.bfloat16)
+                continue
+            streams = torch.empty((LAYERS, placement.num_pages * PAGE), dtype=torch.bfloat16,
+                                  device="cuda")
+            for layer, w in enumerate(layers):
+                pack_layer(LAYOUT, placement, w, spec.scaling, torch.bfloat16,
+                           out=streams[layer])
+        host = time.perf_counter() - t
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+        out[how] = dict(adapters=len(entries),
+                        host_ms=round(1e3 * host / len(entries), 2),
+                        wall_ms=round(1e3 * wall / len(entries), 2),
+                        gb_per_s=round(mb / 1e3 / wall, 2))
+    return out
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from vllm_loraserve.paging.layout import (
     LayerLayout,
     SliceSpec,
     pack_layer,
+    pack_layers,
     read_layer,
     write_pages,
 )
@@ -105,3 +106,28 @@ def test_round_trip_property(dims, rank, align, pages_per_align, data):
                                  unique=True))
     _round_trip(layout, rank, targets, data.draw(st.floats(0.1, 4.0)), torch.float32,
                 seed=data.draw(st.integers(0, 1000)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_layers_writes_each_layer_and_zeroes_what_a_layer_lacks(dtype):
+    """All layers packed at once (a page load) read back layer by layer; a
+    slice one layer lacks (PEFT's layers_to_transform) reads back as zero."""
+    layout = LayerLayout(SLICES, page_size=64, align=16)
+    targets = ["q_proj", "v_proj", "down_proj"]
+    layers = [_weights(layout, 5, targets, seed=i) for i in range(3)]
+    del layers[1]["v_proj"]
+    placement = layout.place(5, targets)
+    streams = pack_layers(layout, placement, layers, 0.25, dtype)
+    assert streams.shape == (3, placement.num_pages * layout.page_size)
+    page_ids = random.Random(0).sample(range(placement.num_pages + 3), placement.num_pages)
+    tol = 0 if dtype == torch.float32 else 1e-2
+    for stream, weights in zip(streams, layers, strict=True):
+        pool = torch.full((placement.num_pages + 3, layout.page_size), 9.0, dtype=dtype)
+        write_pages(pool, page_ids, stream, layout.page_size)
+        back = read_layer(layout, placement, pool, page_ids)
+        for name in targets:
+            a, b = weights.get(name, (torch.zeros(5, 48), torch.zeros(16, 5)))
+            torch.testing.assert_close(back[name][0].float(), a.to(dtype).float(),
+                                       atol=tol, rtol=tol)
+            torch.testing.assert_close(back[name][1].float(), (b.T * 0.25).to(dtype).float(),
+                                       atol=tol, rtol=tol)

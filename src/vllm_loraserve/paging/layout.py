@@ -110,42 +110,68 @@ def pack_layer(
 ) -> torch.Tensor:
     """One layer's stream: `num_pages * page_size` elements, written into
     `out` when given (e.g. a row of a pinned host buffer), else into a new
-    tensor on the weights' device.
+    tensor on the weights' device. See `pack_layers`."""
+    n = placement.num_pages * layout.page_size
+    if out is not None and (out.shape != (n,) or out.dtype != dtype):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not a stream of {n} {dtype}")
+    return pack_layers(layout, placement, [weights], scaling, dtype,
+                       None if out is None else out.view(1, n))[0]
 
-    `weights` maps slice name -> (A [rank, in], B [out, rank]); scaling is
-    folded into Bt. Padding is zero. Each segment is written in one pass,
-    straight from the file's tensors (the host tier's read cost).
+
+def pack_layers(
+    layout: LayerLayout,
+    placement: AdapterPlacement,
+    layers: Sequence[Mapping[str, tuple[torch.Tensor, torch.Tensor]]],
+    scaling: float,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Every layer's stream ([len(layers), num_pages * page_size]), written
+    into `out` when given, else into a new tensor on the weights' device.
+
+    `layers[l]` maps slice name -> (A [rank, in], B [out, rank]) of layer l;
+    scaling is folded into Bt. Padding, and slices a layer lacks, are zero.
+    Each segment is written for all layers at once (a page load's launches
+    do not grow with the model's depth), straight from the file's tensors.
     """
     n = placement.num_pages * layout.page_size
+    shape = (len(layers), n)
     if out is None:
-        device = next(iter(weights.values()))[0].device if weights else "cpu"
-        out = torch.empty(n, dtype=dtype, device=device)
-    elif out.shape != (n,) or out.dtype != dtype:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not a stream of {n} {dtype}")
+        first = next((ab for w in layers for ab in w.values()), None)
+        out = torch.empty(shape, dtype=dtype,
+                          device=first[0].device if first is not None else "cpu")
+    elif out.shape != shape or out.dtype != dtype:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not {len(layers)} streams "
+                         f"of {n} {dtype}")
     r = placement.rank
-    written = [False] * layout.num_segments
-    for name, (a, b) in weights.items():
+    out.zero_()
+    names = sorted({name for w in layers for name in w}, key=layout.slice_index)
+    for name in names:
         g = layout.slice_index(name)
         s = layout.slices[g]
-        if a.shape != (r, s.in_features) or b.shape != (s.out_features, r):
-            raise ValueError(f"{name}: A {tuple(a.shape)} / B {tuple(b.shape)} do not match "
-                             f"rank {r}, in {s.in_features}, out {s.out_features}")
-        for seg, rows in ((2 * g, a), (2 * g + 1, b.T)):
+        have = [i for i, w in enumerate(layers) if name in w]
+        for i in have:
+            a, b = layers[i][name]
+            if a.shape != (r, s.in_features) or b.shape != (s.out_features, r):
+                raise ValueError(f"{name}: A {tuple(a.shape)} / B {tuple(b.shape)} do not "
+                                 f"match rank {r}, in {s.in_features}, out {s.out_features}")
+        for seg, pick in ((2 * g, 0), (2 * g + 1, 1)):
             off = placement.seg_offsets[seg]
             if off < 0:
                 raise ValueError(f"slice {name} is not in this adapter's placement")
             w = layout.width(seg)
-            view = out[off:off + r * w].view(r, w)
-            if seg % 2:
-                torch.mul(rows, scaling, out=view[:, :rows.shape[1]])
+            rows = torch.stack([layers[i][name][pick] for i in have])
+            if pick:
+                rows = rows.transpose(1, 2)
+            view = out[:, off:off + r * w].view(len(layers), r, w)[:, :, :rows.shape[2]]
+            full = len(have) == len(layers)
+            dst = view if full else torch.empty(rows.shape, dtype=dtype, device=out.device)
+            if pick:  # Bt = scaling * B^T, rounded to dtype once
+                torch.mul(rows, scaling, out=dst)
             else:
-                view[:, :rows.shape[1]].copy_(rows)
-            view[:, rows.shape[1]:].zero_()
-            written[seg] = True
-    for seg, off in enumerate(placement.seg_offsets):  # targeted but absent: zero
-        if off >= 0 and not written[seg]:
-            out[off:off + r * layout.width(seg)].zero_()
-    out[placement.stream_len:].zero_()
+                dst.copy_(rows)
+            if not full:
+                view[torch.tensor(have, device=out.device)] = dst
     return out
 
 

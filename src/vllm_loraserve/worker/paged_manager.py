@@ -46,7 +46,7 @@ from vllm_loraserve._patching import overlay
 from vllm_loraserve.adapters.peft import read_weights, short_name
 from vllm_loraserve.config import LoraServeConfig
 from vllm_loraserve.kernels.batch import ModuleSlices
-from vllm_loraserve.paging.layout import pack_layer
+from vllm_loraserve.paging.layout import pack_layers
 from vllm_loraserve.paging.model import model_layout, module_slice_names
 from vllm_loraserve.paging.step import PageLoad, PoolReport, PoolStep, Prefetch
 from vllm_loraserve.worker.host_cache import HostAdapter, HostCache, allocation_bytes
@@ -277,19 +277,16 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
     def _device_streams(self, entry: HostAdapter) -> torch.Tensor:
         """The entry's page streams ([layers, pages * page_size]) on the
         device: one host-to-device copy of the file's bytes, then A copied
-        and B transposed and scaled there (pack_layer), on the compute stream."""
-        layout, dtype = self.pool.layout, self.lora_config.lora_dtype
+        and B transposed and scaled there for all layers at once
+        (pack_layers), on the current stream."""
         data = entry.weights.data.to(self.device, non_blocking=True)
         per_layer: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
             {} for _ in range(self.num_layers)]
         for name, ab in entry.weights.tensors(data).items():
             layer, short = entry.where[name]
             per_layer[layer][short] = ab
-        streams = torch.empty((self.num_layers, entry.placement.num_pages * layout.page_size),
-                              dtype=dtype, device=self.device)
-        for layer, w in enumerate(per_layer):
-            pack_layer(layout, entry.placement, w, entry.scaling, dtype, out=streams[layer])
-        return streams
+        return pack_layers(self.pool.layout, entry.placement, per_layer, entry.scaling,
+                           self.lora_config.lora_dtype)
 
     # -- the scheduler's page decisions ---------------------------------------
     def apply_step(self, step: PoolStep | None, idle: bool = False) -> None:
@@ -430,6 +427,9 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                          "total_pages": self.pool.pages[0].shape[0] if self.pool.pages else 0,
                          "page_size": self.pool.layout.page_size if self.pool.layout else 0,
                          "peak_batch_adapters": self.pool.peak_batch_adapters,
+                         "adapter_steps": self.pool.adapter_steps,
+                         "adapter_step_adapters": self.pool.adapter_step_adapters,
+                         "adapter_step_ranks": self.pool.adapter_step_ranks,
                          "host_bytes": host_bytes, "host_adapters": len(host_ids),
                          "host_budget": self.host.budget,
                          "prefetch_hits": self.prefetch_hits,
