@@ -95,8 +95,14 @@ def test_missing_target_warns_when_not_requested(monkeypatch, caplog):
     monkeypatch.delattr(EngineCore, "remove_lora")
     monkeypatch.setattr("sys.argv", ["vllm", "serve", "m"])
     before = _wrapped_now()
-    with caplog.at_level(logging.WARNING, logger="vllm.vllm_loraserve.plugin"):
-        plugin.register()
+    # vLLM's logger does not propagate to the root logger that caplog
+    # listens on (unless an earlier test configured logging): listen on it.
+    plugin.logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.vllm_loraserve.plugin"):
+            plugin.register()
+    finally:
+        plugin.logger.removeHandler(caplog.handler)
     assert "vllm.v1.engine.core.EngineCore.remove_lora is missing" in caplog.text
     assert _wrapped_now() == before
 
@@ -145,3 +151,18 @@ def test_not_requested_patches_nothing(monkeypatch):
     assert "PATCHED []" in out.stdout
     loaded = out.stdout.split("LOADED ")[1]
     assert "frontend" not in loaded and "worker" not in loaded and "scheduler" not in loaded
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, {"PYTORCH_CUDA_ALLOC_CONF": plugin.PINNED_ALLOC_CONF}),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+     {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True," + plugin.PINNED_ALLOC_CONF}),
+    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"},  # torch prefers this name when set
+     {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64," + plugin.PINNED_ALLOC_CONF}),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:False"},  # the user's choice
+     {"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:False"}),
+])
+def test_pinned_memory_by_host_register_unless_the_user_chose(environ, expected):
+    plugin.use_registered_pinned_memory(environ)
+    plugin.use_registered_pinned_memory(environ)  # idempotent
+    assert environ == expected

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+from collections.abc import MutableMapping
 from types import FrameType
 
 from vllm_loraserve.config import ADDITIONAL_CONFIG_KEY
@@ -85,6 +87,24 @@ def _refuse_or_warn(message: str, wanted: bool) -> None:
     logger.warning("%s", message)
 
 
+# The host tier pins every adapter it reads. Pinned blocks made by malloc and
+# cudaHostRegister on 8 threads instead of cudaHostAlloc: on the H200 machine,
+# 4 readers into new pinned blocks reached 7.9 GB/s instead of 2.5 GB/s
+# (benchmarks/e2e/read_path.py; docs/benchmarks/e2e.md, session 5).
+PINNED_ALLOC_CONF = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+
+
+def use_registered_pinned_memory(environ: MutableMapping[str, str]) -> None:
+    """Add PINNED_ALLOC_CONF to torch's allocator settings in `environ`,
+    unless they already choose how pinned memory is made. Torch reads them
+    at a process's first CUDA allocation; engine processes started later
+    inherit them."""
+    key = "PYTORCH_ALLOC_CONF" if "PYTORCH_ALLOC_CONF" in environ else "PYTORCH_CUDA_ALLOC_CONF"
+    conf = environ.get(key, "")
+    if "pinned_use_cuda_host_register" not in conf:
+        environ[key] = f"{conf},{PINNED_ALLOC_CONF}" if conf else PINNED_ALLOC_CONF
+
+
 def install() -> None:
     """Install every patch (idempotent). Each stays dormant for an engine
     whose config lacks the `loraserve` key."""
@@ -92,6 +112,7 @@ def install() -> None:
     from vllm_loraserve.scheduler import scheduler
     from vllm_loraserve.worker import hooks, rendezvous
 
+    use_registered_pinned_memory(os.environ)
     args.install()
     endpoint.install_gate()
     scheduler.install()
