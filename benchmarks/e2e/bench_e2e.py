@@ -170,7 +170,7 @@ def run_config(name: str, root: str, out: str, profile: int = 0) -> None:
                         lora[:profile] if lora else None, out)
     m0 = _metrics(llm)
     if plugin:  # drain the warm-up's load events
-        llm.collective_rpc("loraserve_residency")
+        before = llm.collective_rpc("loraserve_residency")[0]["pool"]
     t = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                         lora_request=lora, use_tqdm=False)
@@ -200,6 +200,13 @@ def run_config(name: str, root: str, out: str, profile: int = 0) -> None:
                 "p50": round(waits[len(waits) // 2], 3),
                 "p99": round(waits[min(len(waits) - 1, int(0.99 * len(waits)))], 3),
                 "max": round(waits[-1], 3)}
+        res["pool"]["adapters_resident_at_end"] = len(snap["gpu"])
+        # The timed run's steps with adapter tokens: distinct adapters and the
+        # sum of their ranks per step (what the LoRA kernels read per layer).
+        steps = snap["pool"]["adapter_steps"] - before["adapter_steps"]
+        for key in ("adapters", "ranks"):
+            total = snap["pool"][f"adapter_step_{key}"] - before[f"adapter_step_{key}"]
+            res["pool"][f"mean_step_{key}"] = round(total / steps, 1) if steps else 0
         res["pool"]["kv_pages_free_at_end"] = (res["pool"]["total_pages"]
                                                - res["pool"]["adapter_pages"])
     log(f"{name}: {n_out} out tok in {dt:.2f} s -> {n_out / dt:.1f} out tok/s")

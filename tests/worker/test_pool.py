@@ -72,6 +72,10 @@ def test_paged_layers_match_dense_math_and_skip_tokens_without_adapter():
                     want[t, col:col + n] += 0.5 * (x[t] @ A.T @ B.T)
         torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
         assert torch.equal(y[[1, 4, 6]], y0[[1, 4, 6]])  # no adapter: untouched
+    pool.set_tokens(np.array([0, 7]), ignored_ids={7})  # no adapter: not an adapter step
+    pool.set_tokens(np.array([12, 12]), ignored_ids={7})
+    # Steps with adapters, their distinct adapters and rank sums (8 + 32, then 32).
+    assert (pool.adapter_steps, pool.adapter_step_adapters, pool.adapter_step_ranks) == (2, 3, 72)
 
 
 def test_pages_of_other_blocks_keep_their_kv():

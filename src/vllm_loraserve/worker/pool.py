@@ -68,6 +68,9 @@ class DevicePool:
         self.slots: dict[int, tuple[int, AdapterPlacement, tuple[int, ...]]] = {}
         self.slot_of: dict[int, int] = {}  # lora id -> slot
         self.peak_batch_adapters = 0  # most distinct adapters in one step so far
+        # Over the steps with adapter tokens: how many, distinct adapters, and
+        # their ranks summed (the kernels read sum-of-ranks rows per layer).
+        self.adapter_steps = self.adapter_step_adapters = self.adapter_step_ranks = 0
 
     # -- residency (from PoolSteps) ---------------------------------------
     def bind(self, kv_caches: list[torch.Tensor]) -> None:
@@ -126,6 +129,10 @@ class DevicePool:
         if missing:
             raise RuntimeError(f"adapters {sorted(missing)} are scheduled but not resident "
                                "in the pool (scheduler and worker disagree)")
+        if used:
+            self.adapter_steps += 1
+            self.adapter_step_adapters += len(used)
+            self.adapter_step_ranks += sum(self.slots[self.slot_of[i]][1].rank for i in used)
         lut = np.full(int(ids.max(initial=0)) + 1, -1, dtype=np.int64)
         for lora_id in used:
             lut[lora_id] = self.slot_of[lora_id]
