@@ -186,6 +186,9 @@ CONTRACT: tuple[Symbol, ...] = (
     # worker/hooks.py, worker/paged_manager.py, worker/residency.py
     _p("vllm.config:VllmConfig._get_v2_model_runner_unsupported_features", "self",
        why="keep the pool on the V1 runner"),
+    _p("vllm.config:VllmConfig.compute_hash", "self",
+       why="the compile cache is keyed by the plugin's compile fields only"),
+    _s("vllm.config:VllmConfig", attrs=("additional_config",)),
     _p("vllm.v1.worker.lora_model_runner_mixin:LoRAModelRunnerMixin.load_lora_model", "self",
        "model", "vllm_config", "device", why="the pool replaces vLLM's LoRA manager"),
     _p("vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache", "self",

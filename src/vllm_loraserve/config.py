@@ -19,6 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ADDITIONAL_CONFIG_KEY = "loraserve"
+# The fields that can change what torch.compile and CUDA graphs see: only
+# these key vLLM's compile cache (worker/hooks.py), so a server started with
+# other adapter directories or another host budget reuses the compiled model.
+# Every other field is read at run time only (RUNTIME_FIELDS); a new field
+# must join one of the two (tests/test_config.py).
+COMPILE_FIELDS = ("pool", "kernel", "max_slots")
+RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads")
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -121,6 +128,10 @@ class LoraServeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def compile_key(self) -> dict[str, Any]:
+        """What of this config keys vLLM's compile cache (COMPILE_FIELDS)."""
+        return {name: getattr(self, name) for name in COMPILE_FIELDS}
 
 
 def from_vllm_config(vllm_config: Any) -> LoraServeConfig | None:

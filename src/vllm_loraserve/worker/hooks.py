@@ -14,6 +14,8 @@ identical in 0.26 and 0.27). Only when the plugin is active for this engine:
 The V1 runner classes are patched (the CPU runner subclasses GPU V1). With
 the pool, vLLM is kept on its V1 runner: `VllmConfig` lists the pool among
 the features its V2 runner lacks, so vLLM logs that and picks V1.
+`VllmConfig.compute_hash`, which keys vLLM's compile cache, counts the
+plugin's config by its compile key only (config.COMPILE_FIELDS).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import copy
 import logging
 
 from vllm_loraserve._patching import wrap
-from vllm_loraserve.config import from_vllm_config
+from vllm_loraserve.config import ADDITIONAL_CONFIG_KEY, LoraServeConfig, from_vllm_config
 
 logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
 
@@ -141,12 +143,29 @@ def _make_v2_unsupported(unsupported_features):
     return patched
 
 
+def _make_compute_hash(compute_hash):
+    def patched(self):
+        extra = self.additional_config
+        if not isinstance(extra, dict) or ADDITIONAL_CONFIG_KEY not in extra:
+            return compute_hash(self)
+        # vLLM keys its compile cache by this hash, and hashes additional_config
+        # whole: the plugin's part counts by its compile key alone (a shallow
+        # copy of the config, so nothing else sees the swap).
+        keyed = copy.copy(self)
+        key = LoraServeConfig.from_dict(extra[ADDITIONAL_CONFIG_KEY]).compile_key()
+        keyed.additional_config = {**extra, ADDITIONAL_CONFIG_KEY: key}
+        return compute_hash(keyed)
+
+    return patched
+
+
 def install() -> None:
     from vllm.config import VllmConfig
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
 
     wrap(VllmConfig, "_get_v2_model_runner_unsupported_features", _make_v2_unsupported)
+    wrap(VllmConfig, "compute_hash", _make_compute_hash)
     wrap(LoRAModelRunnerMixin, "load_lora_model", _make_load_lora_model)
     wrap(GPUModelRunner, "initialize_kv_cache", _make_initialize_kv_cache)
     wrap(GPUModelRunner, "execute_model", _make_execute_model)
