@@ -8,7 +8,9 @@ distinct weight sets hard-linked under many names). Each config replays the
 same trace shape, made by `loraserve bench gen --kind loraserve` over its
 number of adapters (prompt and output lengths U[8,512]); trace adapter
 "r{rank}-{j}" is served as the j-th served adapter of that rank. `none`
-replays the 100-adapter trace with every request sent to the base model.
+and pool-base-only replay the 100-adapter trace with every request sent to
+the base model (pool-base-only: on a server with the plugin and the 100
+adapters); pool-r8-single replays a one-adapter trace (adapter a0000, rank 8).
 
     python3 benchmarks/e2e/online_ttft.py --configs none,pool-100 --rate 12 --duration 60 --out $OUT
 
@@ -35,10 +37,12 @@ COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "2
           "--gpu-memory-utilization", "0.9", "--seed", "0", "--served-model-name", BASE]
 LORA = ["--enable-lora", "--max-lora-rank", "128", "--lora-target-modules",
         *bench_e2e.LORA_TARGETS]
-# name -> (adapters in the trace, plugin on, requests sent to adapters)
+# name -> (adapters in the trace, plugin on, requests sent to adapters);
+# pool-base-only serves 100 adapters and sends every request to the base model
 CONFIGS = {"none": (100, False, False), "stock-100": (100, False, True),
            "pool-100": (100, True, True), "pool-1000": (1000, True, True),
-           "pool-2000": (2000, True, True)}
+           "pool-2000": (2000, True, True), "pool-r8-single": (1, True, True),
+           "pool-base-only": (100, True, False)}
 
 
 def loraserve_cli(*args: str) -> None:
@@ -48,7 +52,7 @@ def loraserve_cli(*args: str) -> None:
 def server_args(name: str, root: str) -> list[str]:
     n, plugin, adapters = CONFIGS[name]
     names = [f"a{i:04d}" for i in range(n)]
-    if not adapters:
+    if not plugin and not adapters:
         return []
     if not plugin:
         return [*LORA, "--max-loras", "32", "--max-cpu-loras", str(n), "--lora-modules",

@@ -43,8 +43,8 @@ ADAPTERS = [(8, ALL_TARGETS), (16, ("q_proj", "v_proj")), (32, ALL_TARGETS),
 
 
 @pytest.fixture(scope="module")
-def case(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pool-gpu")
+def case(fixed_dir):
+    root = fixed_dir("pool-gpu")
     model = str(root / "model")
     build_model(model, preset="small", seed=3)
     reqs = []

@@ -53,8 +53,8 @@ COMMON = ["--load-format", "dummy", "--max-lora-rank", "128", "--max-loras", "4"
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("llama1b")
+def assets(fixed_dir):
+    root = fixed_dir("llama1b")
     model = str(root / "model")
     build_model(model, preset="llama-1b")
     records = build_adapters(model, str(root / "adapters"), 6, base_model="llama-1b",

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One `run` call of the e2e protocol (docs/benchmarks/e2e.md) on the GPU
+# machine, from the repository root, with carry [".devbundle/p1", ".whl"]:
+#
+#   bash benchmarks/e2e/device_call.sh offline none,stock-100,pool-100 [SECONDS]
+#   bash benchmarks/e2e/device_call.sh online none,pool-100 [SECONDS]
+#   bash benchmarks/e2e/device_call.sh gpu-tests 2 [SECONDS]
+#
+# It installs the carried vLLM bundle (and peft for the GPU tests), stops its
+# work after SECONDS (default 540, inside the tool's 600 s), and leaves at
+# most 8 files in $OUT (the tool's limit): the GPU's name, the JSON results
+# and one tarball of everything else (logs, per-request records).
+set -uo pipefail
+what=$1 arg=$2 limit=${3:-540}
+start=$(date +%s)
+case $what in offline|online|gpu-tests) ;; *) echo "unknown call $what" >&2; exit 2 ;; esac
+# The bundle installs into this machine's python3: never on the CPU machine.
+command -v nvidia-smi >/dev/null || { echo "not a GPU machine: run this through device" >&2; exit 2; }
+source .devbundle/p1/vllm_install.sh >/dev/null
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>/dev/null
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
+work=/tmp/device-$what
+rm -rf "$work" && mkdir -p "$work"
+left() { echo $((limit - ($(date +%s) - start))); }
+case $what in
+  offline)
+    timeout "$(left)" python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --out "$work" \
+      --timeout-s 240
+    cp "$work/results.json" "$OUT/offline.json" ;;
+  online)
+    timeout "$(left)" python3 benchmarks/e2e/online_ttft.py --configs "$arg" --rate 12 \
+      --duration 45 --out "$work"
+    cp "$work/online.json" "$OUT/online.json" ;;
+  gpu-tests)
+    pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    export PYTHONPATH=$PWD/src:${PYTHONPATH:-}:/tmp/site
+    for i in $(seq "$arg"); do
+      mkdir -p "$work/run$i"
+      LORASERVE_RESULTS_DIR=$work/run$i timeout "$(left)" python3 -m pytest -m gpu \
+        tests/gpu/test_pool_gpu.py -q -p no:cacheprovider > "$work/run$i.log" 2>&1
+      echo "run $i: exit $? after $(( $(date +%s) - start )) s"; tail -1 "$work/run$i.log"
+      cp "$work/run$i/gpu_pool.json" "$OUT/gpu_pool-run$i.json" 2>/dev/null
+    done ;;
+esac
+tar czf "$OUT/$what-files.tgz" -C "$work" .
+ls "$OUT"
