@@ -153,14 +153,26 @@ def test_not_requested_patches_nothing(monkeypatch):
     assert "frontend" not in loaded and "worker" not in loaded and "scheduler" not in loaded
 
 
+PINNED = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+
+
 @pytest.mark.parametrize("environ, expected", [
-    ({}, {"PYTORCH_CUDA_ALLOC_CONF": plugin.PINNED_ALLOC_CONF}),
+    ({}, {"PYTORCH_CUDA_ALLOC_CONF": PINNED}),
     ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
-     {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True," + plugin.PINNED_ALLOC_CONF}),
-    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"},  # torch prefers this name when set
-     {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64," + plugin.PINNED_ALLOC_CONF}),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:False"},  # the user's choice
-     {"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:False"}),
+     {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True," + PINNED}),
+    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"},
+     {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64," + PINNED}),
+    # Both set: torch versions differ in which one they read, so both get it.
+    ({"PYTORCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"},
+     {"PYTORCH_ALLOC_CONF": PINNED, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64," + PINNED}),
+    # What the user gave stands; only the missing setting is added.
+    ({"PYTORCH_CUDA_ALLOC_CONF": "pinned_num_register_threads:4"},
+     {"PYTORCH_CUDA_ALLOC_CONF": "pinned_num_register_threads:4,"
+                                 "pinned_use_cuda_host_register:True"}),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:False,"
+                                 "pinned_num_register_threads:2"},
+     {"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:False,"
+                                 "pinned_num_register_threads:2"}),
 ])
 def test_pinned_memory_by_host_register_unless_the_user_chose(environ, expected):
     plugin.use_registered_pinned_memory(environ)

@@ -9,35 +9,42 @@
 # It installs the carried vLLM bundle (and peft for the GPU tests), stops its
 # work after SECONDS (default 540, inside the tool's 600 s), and leaves at
 # most 8 files in $OUT (the tool's limit): the GPU's name, the JSON results
-# and one tarball of everything else (logs, per-request records).
+# and one tarball of everything else (logs, per-request records). Exit status:
+# that of the last step that failed, else 0.
 set -uo pipefail
 what=$1 arg=$2 limit=${3:-540}
-start=$(date +%s)
+start=$(date +%s) status=0
 case $what in offline|online|gpu-tests) ;; *) echo "unknown call $what" >&2; exit 2 ;; esac
 # The bundle installs into this machine's python3: never on the CPU machine.
 command -v nvidia-smi >/dev/null || { echo "not a GPU machine: run this through device" >&2; exit 2; }
-source .devbundle/p1/vllm_install.sh >/dev/null
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>/dev/null
+source .devbundle/p1/vllm_install.sh >/dev/null || exit 3
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 3
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 work=/tmp/device-$what
 rm -rf "$work" && mkdir -p "$work"
-left() { echo $((limit - ($(date +%s) - start))); }
+
+# Run "$@" within the seconds left (minus 20 for the tarball), or skip it.
+within() {
+  local t=$((limit - 20 - ($(date +%s) - start)))
+  if (( t < 30 )); then echo "skipped, ${t} s left: $*" >&2; status=124; return 124; fi
+  timeout -k 10 "$t" "$@" || { local rc=$?; status=$rc; return "$rc"; }
+}
+
 case $what in
   offline)
-    timeout "$(left)" python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --out "$work" \
-      --timeout-s 240
+    within python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --out "$work" --timeout-s 240
     cp "$work/results.json" "$OUT/offline.json" ;;
   online)
-    timeout "$(left)" python3 benchmarks/e2e/online_ttft.py --configs "$arg" --rate 12 \
-      --duration 45 --out "$work"
+    within python3 benchmarks/e2e/online_ttft.py --configs "$arg" --rate 12 --duration 45 \
+      --out "$work"
     cp "$work/online.json" "$OUT/online.json" ;;
   gpu-tests)
-    pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 3
     export PYTHONPATH=$PWD/src:${PYTHONPATH:-}:/tmp/site
     for i in $(seq "$arg"); do
       mkdir -p "$work/run$i"
-      LORASERVE_RESULTS_DIR=$work/run$i timeout "$(left)" python3 -m pytest -m gpu \
+      LORASERVE_RESULTS_DIR=$work/run$i within python3 -m pytest -m gpu \
         tests/gpu/test_pool_gpu.py -q -p no:cacheprovider > "$work/run$i.log" 2>&1
       echo "run $i: exit $? after $(( $(date +%s) - start )) s"; tail -1 "$work/run$i.log"
       cp "$work/run$i/gpu_pool.json" "$OUT/gpu_pool-run$i.json" 2>/dev/null
@@ -45,3 +52,4 @@ case $what in
 esac
 tar czf "$OUT/$what-files.tgz" -C "$work" .
 ls "$OUT"
+exit "$status"

@@ -23,7 +23,7 @@ ADDITIONAL_CONFIG_KEY = "loraserve"
 # these key vLLM's compile cache (worker/hooks.py), so a server started with
 # other adapter directories or another host budget reuses the compiled model.
 # Every other field is read at run time only (RUNTIME_FIELDS); a new field
-# must join one of the two (tests/test_config.py).
+# must join one of the two (tests/worker/test_compile_key.py).
 COMPILE_FIELDS = ("pool", "kernel", "max_slots")
 RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads")
 

@@ -91,18 +91,23 @@ def _refuse_or_warn(message: str, wanted: bool) -> None:
 # cudaHostRegister on 8 threads instead of cudaHostAlloc: on the H200 machine,
 # 4 readers into new pinned blocks reached 7.9 GB/s instead of 2.5 GB/s
 # (benchmarks/e2e/read_path.py; docs/benchmarks/e2e.md, session 5).
-PINNED_ALLOC_CONF = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+PINNED_ALLOC_CONF = {"pinned_use_cuda_host_register": "True", "pinned_num_register_threads": "8"}
+# Torch versions differ in which name they read first; both are kept in step.
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
 def use_registered_pinned_memory(environ: MutableMapping[str, str]) -> None:
-    """Add PINNED_ALLOC_CONF to torch's allocator settings in `environ`,
-    unless they already choose how pinned memory is made. Torch reads them
-    at a process's first CUDA allocation; engine processes started later
-    inherit them."""
-    key = "PYTORCH_ALLOC_CONF" if "PYTORCH_ALLOC_CONF" in environ else "PYTORCH_CUDA_ALLOC_CONF"
-    conf = environ.get(key, "")
-    if "pinned_use_cuda_host_register" not in conf:
-        environ[key] = f"{conf},{PINNED_ALLOC_CONF}" if conf else PINNED_ALLOC_CONF
+    """Add PINNED_ALLOC_CONF's settings that the user did not give to
+    torch's allocator settings in `environ` (every variable that is set, or
+    PYTORCH_CUDA_ALLOC_CONF). Torch reads them at a process's first CUDA
+    allocation, so they reach the engine processes started after this (a
+    process whose CUDA is already initialized keeps torch's default)."""
+    for var in [v for v in ALLOC_CONF_VARS if v in environ] or ALLOC_CONF_VARS[:1]:
+        conf = environ.get(var, "")
+        given = {item.split(":", 1)[0].strip() for item in conf.split(",") if item.strip()}
+        extra = [f"{k}:{v}" for k, v in PINNED_ALLOC_CONF.items() if k not in given]
+        if extra:
+            environ[var] = ",".join([conf] + extra if conf else extra)
 
 
 def install() -> None:

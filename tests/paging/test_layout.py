@@ -117,8 +117,12 @@ def test_pack_layers_writes_each_layer_and_zeroes_what_a_layer_lacks(dtype):
     layers = [_weights(layout, 5, targets, seed=i) for i in range(3)]
     del layers[1]["v_proj"]
     placement = layout.place(5, targets)
-    streams = pack_layers(layout, placement, layers, 0.25, dtype)
-    assert streams.shape == (3, placement.num_pages * layout.page_size)
+    # Written into a buffer of NaN: padding and the missing slice must be set.
+    out = torch.full((3, placement.num_pages * layout.page_size), float("nan"), dtype=dtype)
+    streams = pack_layers(layout, placement, layers, 0.25, dtype, out=out)
+    assert streams.data_ptr() == out.data_ptr()
+    assert not streams.isnan().any()
+    assert not streams[:, placement.stream_len:].any()  # the last page's tail
     page_ids = random.Random(0).sample(range(placement.num_pages + 3), placement.num_pages)
     tol = 0 if dtype == torch.float32 else 1e-2
     for stream, weights in zip(streams, layers, strict=True):

@@ -160,18 +160,19 @@ def pack_layers(
             if off < 0:
                 raise ValueError(f"slice {name} is not in this adapter's placement")
             w = layout.width(seg)
-            rows = torch.stack([layers[i][name][pick] for i in have])
+            # A layer without this slice contributes zeros (no index tensor:
+            # building one on a GPU would make the host wait for it).
+            first = layers[have[0]][name][pick]
+            zeros = None if len(have) == len(layers) else first.new_zeros(first.shape)
+            rows = torch.stack([layers[i][name][pick] if name in layers[i] else zeros
+                                for i in range(len(layers))])
             if pick:
                 rows = rows.transpose(1, 2)
             view = out[:, off:off + r * w].view(len(layers), r, w)[:, :, :rows.shape[2]]
-            full = len(have) == len(layers)
-            dst = view if full else torch.empty(rows.shape, dtype=dtype, device=out.device)
             if pick:  # Bt = scaling * B^T, rounded to dtype once
-                torch.mul(rows, scaling, out=dst)
+                torch.mul(rows, scaling, out=view)
             else:
-                dst.copy_(rows)
-            if not full:
-                view[torch.tensor(have, device=out.device)] = dst
+                view.copy_(rows)
     return out
 
 
