@@ -73,6 +73,10 @@ def test_ten_adapters_in_one_batch_with_one_vllm_slot(case, tmp_path):
     pool = res["pool"]
     assert pool["peak_batch_adapters"] == 10  # vLLM's slots would allow 1
     assert pool["page_loads"] == 10 and pool["page_evictions"] == 0
+    # Where the loads' host time went (packing, writing pages), within the loads' own time.
+    load_s = sum(s for _, tier, s in res["events"] if tier == "gpu")
+    assert 0 < pool["load_pack_s"] and 0 < pool["load_write_s"]
+    assert pool["load_pack_s"] + pool["load_write_s"] <= load_s + 1e-3
     paths = {r.lora_name: r.lora_path for r in reqs if r.lora_name}
     assert len(res["gpu"]) == 10
     # Each adapter holds the pages of its true rank; together, all adapter pages.

@@ -116,6 +116,9 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self.pool: DevicePool  # made by create_lora_manager
         self._dummy_ids: set[int] = set()
         self.page_loads = self.page_evictions = self.page_loads_ahead = 0
+        # Host seconds of page loads: packing on the device (the copy of the
+        # file's bytes included), then writing the pages and the slot table.
+        self.load_pack_s = self.load_write_s = 0.0
         # Loads for waiting requests (PageLoad.ahead) run on this stream on a GPU.
         self._side = (torch.cuda.Stream(self.device)
                       if torch.device(self.device).type == "cuda" else None)
@@ -351,8 +354,13 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             self._record(lr.lora_int_id, "gpu", time.perf_counter() - t0)
 
     def _load(self, load: PageLoad, entry: HostAdapter) -> None:
+        t0 = time.perf_counter()
+        streams = self._device_streams(entry)
+        t1 = time.perf_counter()
         self.pool.load(load.slot, load.lora_request.lora_int_id, entry.placement,
-                       load.page_ids, self._device_streams(entry))
+                       load.page_ids, streams)
+        self.load_pack_s += t1 - t0
+        self.load_write_s += time.perf_counter() - t1
 
     def report(self) -> PoolReport:
         with self._lock:
@@ -426,6 +434,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                 "adapter_waits": waits,
                 "pool": {"page_loads": self.page_loads, "page_evictions": self.page_evictions,
                          "page_loads_ahead": self.page_loads_ahead,
+                         "load_pack_s": round(self.load_pack_s, 4),
+                         "load_write_s": round(self.load_write_s, 4),
                          "adapter_pages": self.pool.pages_held,
                          "total_pages": self.pool.pages[0].shape[0] if self.pool.pages else 0,
                          "page_size": self.pool.layout.page_size if self.pool.layout else 0,
