@@ -84,7 +84,8 @@ def load_ahead(waiting, free, host_ready, resident=(), failed_requests=()):
                         _host_ready=frozenset(host_ready),
                         _adapter_failures={f"q{n}": "x" for n in failed_requests},
                         kv_cache_manager=SimpleNamespace(
-                            block_pool=SimpleNamespace(num_gpu_blocks=100)))
+                            block_pool=SimpleNamespace(num_gpu_blocks=100,
+                                                       get_num_free_blocks=lambda: pages.free)))
     PoolSchedulerMixin._load_ahead(s)
     return pages
 
@@ -111,3 +112,9 @@ def test_load_ahead_is_bounded_per_step(monkeypatch):
 def test_a_request_already_failed_loads_nothing():
     pages = load_ahead(waiting=[1], free=100, host_ready={1}, failed_requests=[0])
     assert pages.asked == []
+
+
+def test_load_ahead_asks_nothing_when_kv_is_down_to_its_reserve():
+    # 10 free of 100: the reserve; no adapter fits, so the queue is not scanned.
+    pages = load_ahead(waiting=[1, 3], free=10, host_ready={1, 3})
+    assert pages.asked == [] and pages.resident == set()

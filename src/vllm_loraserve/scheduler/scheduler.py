@@ -225,6 +225,8 @@ class PoolSchedulerMixin:
         and their requests' admission finds them resident."""
         pool = self.kv_cache_manager.block_pool
         reserve = int(LOAD_AHEAD_FREE * pool.num_gpu_blocks)
+        if pool.get_num_free_blocks() <= reserve:
+            return  # no adapter fits (each needs a block): skip the scan of the queue
         loaded, seen = 0, set()
         for queue in (self.skipped_waiting, self.waiting):
             for request in queue:
