@@ -201,10 +201,10 @@ def run_config(name: str, root: str, out: str, profile: int = 0) -> None:
                 "p99": round(waits[min(len(waits) - 1, int(0.99 * len(waits)))], 3),
                 "max": round(waits[-1], 3)}
         res["pool"]["adapters_resident_at_end"] = len(snap["gpu"])
-        # The timed run's steps with adapter tokens: distinct adapters and the
-        # sum of their ranks per step (what the LoRA kernels read per layer).
         for key in ("load_pack_s", "load_write_s"):  # the loads' host time, split
             res["pool"][f"{key}_timed"] = round(snap["pool"][key] - before[key], 2)
+        # The timed run's steps with adapter tokens: distinct adapters and the
+        # sum of their ranks per step (what the LoRA kernels read per layer).
         steps = snap["pool"]["adapter_steps"] - before["adapter_steps"]
         for key in ("adapters", "ranks"):
             total = snap["pool"][f"adapter_step_{key}"] - before[f"adapter_step_{key}"]

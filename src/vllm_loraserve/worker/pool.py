@@ -129,13 +129,13 @@ class DevicePool:
         if missing:
             raise RuntimeError(f"adapters {sorted(missing)} are scheduled but not resident "
                                "in the pool (scheduler and worker disagree)")
+        lut = np.full(int(ids.max(initial=0)) + 1, -1, dtype=np.int64)
+        for lora_id in used:
+            slot = lut[lora_id] = self.slot_of[lora_id]
+            self.adapter_step_ranks += self.slots[slot][1].rank
         if used:
             self.adapter_steps += 1
             self.adapter_step_adapters += len(used)
-            self.adapter_step_ranks += sum(self.slots[self.slot_of[i]][1].rank for i in used)
-        lut = np.full(int(ids.max(initial=0)) + 1, -1, dtype=np.int64)
-        for lora_id in used:
-            lut[lora_id] = self.slot_of[lora_id]
         token_slots = np.where(ids > 0, lut[np.maximum(ids, 0)], -1)
         self._batches = {bm: buf.fill(token_slots) for bm, buf in self._buffers.items()}
 
