@@ -36,7 +36,7 @@ case $what in
     within python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --out "$work" --timeout-s 240
     cp "$work/results.json" "$OUT/offline.json" ;;
   online)
-    within python3 benchmarks/e2e/online_ttft.py --configs "$arg" --rate 12 --duration 45 \
+    within python3 benchmarks/e2e/online_ttft.py --configs "$arg" --rate 12 --duration 30 \
       --out "$work"
     cp "$work/online.json" "$OUT/online.json" ;;
   gpu-tests)

@@ -33,8 +33,12 @@ import bench_e2e  # noqa: E402  (assets shared with the offline benchmark)
 from vllm_loraserve.process import Server, free_port, vllm_executable  # noqa: E402
 
 BASE = "base"
+# The batch limits are the offline LLM's defaults on an H200 (`vllm serve`
+# defaults to 8192 batched tokens): both then make one vLLM compile-cache key,
+# so on one machine the servers reuse bench_e2e.py's compiles.
 COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "2048",
-          "--gpu-memory-utilization", "0.9", "--seed", "0", "--served-model-name", BASE]
+          "--gpu-memory-utilization", "0.9", "--seed", "0", "--served-model-name", BASE,
+          "--max-num-batched-tokens", "16384", "--max-num-seqs", "1024"]
 LORA = ["--enable-lora", "--max-lora-rank", "128", "--lora-target-modules",
         *bench_e2e.LORA_TARGETS]
 # name -> (adapters in the trace, plugin on, requests sent to adapters);
