@@ -24,11 +24,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > 
 work=/tmp/device-$what
 rm -rf "$work" && mkdir -p "$work"
 
+# Engines of a step cut short (here or in an earlier call on this warm
+# machine) must not hold the GPU: a `vllm serve` runs in a session of its own.
+reap() { pkill -9 -f "[v]llm serve"; pkill -9 -f "[E]ngineCore"; sleep 2; }
+reap
+
 # Run "$@" within the seconds left (minus 20 for the tarball), or skip it.
 within() {
   local t=$((limit - 20 - ($(date +%s) - start)))
   if (( t < 30 )); then echo "skipped, ${t} s left: $*" >&2; status=124; return 124; fi
-  timeout -k 10 "$t" "$@" || { local rc=$?; status=$rc; return "$rc"; }
+  timeout -k 15 "$t" "$@" || { local rc=$?; status=$rc; reap; return "$rc"; }
 }
 
 case $what in

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -94,6 +95,9 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/online-out"))
     ap.add_argument("--start-timeout-s", type=float, default=300)
     a = ap.parse_args()
+    # A time limit's SIGTERM unwinds through `finally`, which stops the server:
+    # it runs in a session of its own, so nothing else would.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     configs = a.configs.split(",")
     if unknown := sorted(set(configs) - set(CONFIGS)):
         sys.exit(f"unknown configs {unknown}; choose from {sorted(CONFIGS)}")
@@ -130,7 +134,7 @@ def main() -> None:
         except Exception as e:  # one config failing must not lose the others' results
             result["status"] = f"failed: {e}"
         finally:
-            server.stop()
+            server.stop(timeout=5)
         summary["configs"][c] = result
         s = result.get("summary", {})
         print(f"[online] {c}: {result['status']}; TTFT {s.get('ttft_s')}; "
