@@ -11,7 +11,10 @@ thread each), new pinned allocations and reused ones:
   B transposed and scaled).
 On a CUDA machine it also times the device side of loading `raw` entries:
 one host-to-device copy, then the packing on the GPU, layer by layer
-(`pack_layer`) and all layers at once (`pack_layers`, the worker's).
+(`pack_layer`) and all layers at once (`pack_layers`, the worker's), and
+the page writes of a load with each kernel backend's `page_writer` (torch:
+one `index_copy_` per layer; triton: one launch for all layers, the GPU
+worker's).
 
     python benchmarks/e2e/read_path.py --out read_path.json
 """
@@ -121,6 +124,37 @@ def device_pack(entries) -> dict:
     return out
 
 
+def device_write(entries, blocks: int = 256) -> dict:
+    """A load's page writes into 32 KV-shaped layers, per backend's
+    `page_writer`, from streams already packed on the GPU; `host_ms` and
+    `wall_ms` as in `device_pack`."""
+    from vllm_loraserve.kernels import get_backend
+
+    kv = [torch.zeros(blocks, PAGE, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+    loads = []
+    for spec, raw in entries:
+        placement = LAYOUT.place(spec.rank, spec.target_modules)
+        streams = pack_layers(LAYOUT, placement, per_layer(raw.tensors(raw.data.to("cuda"))),
+                              spec.scaling, torch.bfloat16)
+        ids = torch.randperm(blocks)[:placement.num_pages].int().cuda()
+        loads.append((ids, streams))
+    out = {}
+    for backend in ("torch", "triton", "torch", "triton"):  # second pass warm
+        write = get_backend(backend).page_writer(kv)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for ids, streams in loads:
+            write(ids, streams)
+        host = time.perf_counter() - t
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+        mb = sum(s.numel() * s.element_size() for _, s in loads) / 1e6
+        out[backend] = dict(loads=len(loads), host_ms=round(1e3 * host / len(loads), 3),
+                            wall_ms=round(1e3 * wall / len(loads), 3),
+                            gb_per_s=round(mb / 1e3 / wall, 2))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", default="/dev/shm/loraserve-read-path")
@@ -145,6 +179,7 @@ def main() -> None:
                 wall = time.perf_counter() - t
                 if path_kind == "raw" and pin and device is None:
                     device = device_pack([r["entry"] for r in rows])
+                    device["page_write"] = device_write([r["entry"] for r in rows])
                     print({"device_pack": device}, flush=True)
                 for r in rows:
                     del r["entry"]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.worker.test_pool import CFG, KV_SHAPE, LAYERS, adapter
+from vllm_loraserve.kernels import get_backend
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.model import model_layout
 from vllm_loraserve.worker import pool as pool_mod
@@ -51,3 +52,33 @@ def test_triton_pool_matches_torch_pool(monkeypatch, small_batch):
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
         assert torch.equal(outs[1][len(tokens):], y0[len(tokens):])
         assert not torch.equal(outs[1], y0)
+
+
+@pytest.mark.parametrize("dtype,streams_dtype,page_size", [
+    (torch.float32, torch.float32, 1024), (torch.bfloat16, torch.bfloat16, 4608),
+    (torch.float32, torch.bfloat16, 1024)])  # an exact upcast on write
+def test_page_writers_write_every_layers_pages_and_nothing_else(dtype, streams_dtype,
+                                                                page_size):
+    """A load's pages, all layers at once: the Triton writer (one launch, a
+    table of layer addresses) and the torch one give the same pools, with
+    pages outside `ids` untouched. 4608 elements: a page is two programs'
+    chunks, the second one partial. (No downcast here: Triton's interpreter
+    truncates to bf16 where the GPU rounds to nearest.)"""
+    layers, blocks, ids = 3, 12, torch.tensor([7, 2, 9], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    kv = [torch.randn(blocks, page_size, generator=g).to(dtype) for _ in range(layers)]
+    streams = torch.randn(layers, len(ids) * page_size, generator=g).to(streams_dtype)
+    for name in ("torch", "triton"):
+        pages = [t.clone() for t in kv]
+        get_backend(name).page_writer(pages)(ids, streams)
+        for layer in range(layers):
+            expected = kv[layer].clone()
+            expected[ids.long()] = streams[layer].view(len(ids), page_size).to(dtype)
+            assert torch.equal(pages[layer], expected), (name, layer)
+
+
+def test_triton_page_writer_refuses_streams_of_another_shape():
+    pages = [torch.zeros(4, 1024) for _ in range(2)]
+    write = get_backend("triton").page_writer(pages)
+    with pytest.raises(ValueError, match="do not hold 2 pages"):
+        write(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(2, 1024))

@@ -15,6 +15,10 @@ own rank:
                    dBt_{slot, s} += h[s, toks].T @ dy[toks, cols(s)]
 
 where the weight gradients land in a tensor laid out as the pool (pages).
+A page load goes through the backend too: `page_writer(pages)` (once, for
+the pool's per-layer page views) returns a function `write(page_ids,
+streams)` that copies row l of `streams` ([layers, n * page_size]) into
+pages `page_ids` (n ids, on the device) of layer l, for every layer.
 Backends are chosen by name: `torch` (reference, CPU path) and `triton`
 (MBGMM/MBGMV on the GPU; on CPU only under TRITON_INTERPRET=1).
 """

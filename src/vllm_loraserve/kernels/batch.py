@@ -87,9 +87,13 @@ class SlotTable:
             raise ValueError(f"slot {slot}: rank {placement.rank} in {len(page_ids)} pages "
                              f"exceeds the table (rank {self.max_rank}, "
                              f"{self.pages.shape[1]} pages)")
-        self.rank[slot] = placement.rank
-        self.seg_offsets[slot] = to_device(placement.seg_offsets, torch.int32, self.rank.device)
-        self.pages[slot, :len(page_ids)] = to_device(page_ids, torch.int32, self.rank.device)
+        # One host-to-device copy for the whole row, split on the device.
+        segs = len(placement.seg_offsets)
+        row = to_device([placement.rank, *placement.seg_offsets, *page_ids], torch.int32,
+                        self.rank.device)
+        self.rank[slot:slot + 1].copy_(row[:1])
+        self.seg_offsets[slot].copy_(row[1:1 + segs])
+        self.pages[slot, :len(page_ids)].copy_(row[1 + segs:])
 
     def clear(self, slot: int) -> None:
         self.rank[slot] = 0

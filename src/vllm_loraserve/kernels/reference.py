@@ -30,6 +30,14 @@ def _slot_groups(batch: TokenBatch, slots: SlotTable):
 class TorchBackend:
     name = "torch"
 
+    def page_writer(self, pages: list[torch.Tensor]):
+        """Writes a load's pages layer by layer (see the package docstring)."""
+        def write(page_ids: torch.Tensor, streams: torch.Tensor) -> None:
+            ids = page_ids.long()
+            for layer, dst in enumerate(pages):
+                dst.index_copy_(0, ids, streams[layer].view(-1, dst.shape[1]).to(dst.dtype))
+        return write
+
     def shrink(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, batch: TokenBatch,
                slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
         """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T; every other entry of h is 0."""

@@ -190,6 +190,27 @@ def _grad_pool_kernel(
                   mask=r_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _write_pages_kernel(ptrs_ptr, src_ptr, ids_ptr, page_size, num_pages,
+                        DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    """Page ids[i] of layer l <- row l, page i of src ([layers, num_pages *
+    page_size]). A layer's pages are a tensor of their own (vLLM allocates
+    each layer's KV apart), so its address comes from a table."""
+    layer = tl.program_id(0)
+    i = tl.program_id(1)
+    offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < page_size
+    dst = tl.load(ptrs_ptr + layer).to(tl.pointer_type(DTYPE))
+    page = tl.load(ids_ptr + i).to(tl.int64)
+    row = (layer.to(tl.int64) * num_pages + i) * page_size
+    v = tl.load(src_ptr + row + offs, mask=mask)
+    tl.store(dst + page * page_size + offs, v.to(DTYPE), mask=mask)
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+WRITE_BLOCK = 4096  # elements a program copies
+
+
 @dataclass(frozen=True)
 class Tiles:
     block_n: int
@@ -277,6 +298,30 @@ class TritonBackend:
                  grad_tiles=grad_tiles) -> None:
         self._shrink_tiles, self._expand_tiles = shrink_tiles, expand_tiles
         self._grad_tiles = grad_tiles
+
+    def page_writer(self, pages: list[torch.Tensor]):
+        """Writes a load's pages of every layer in one launch (the torch
+        backend's per-layer copies cost a host call each: ~100 a load at 32
+        layers). `pages` must stay allocated: their addresses are kept."""
+        first = pages[0]
+        if any(p.shape != first.shape or p.dtype != first.dtype or not p.is_contiguous()
+               for p in pages):
+            raise ValueError("page views must be contiguous, of one shape and dtype")
+        if first.dtype not in _TL_DTYPES:
+            raise ValueError(f"the loraserve pool keeps adapters in KV pages of bf16, fp16 or "
+                             f"fp32; this KV cache is {first.dtype} (use --loraserve-pool vllm)")
+        ptrs = torch.tensor([p.data_ptr() for p in pages], dtype=torch.int64, device=first.device)
+        page_size = first.shape[1]
+
+        def write(page_ids: torch.Tensor, streams: torch.Tensor) -> None:
+            n = page_ids.shape[0]
+            if streams.shape != (len(pages), n * page_size) or not streams.is_contiguous():
+                raise ValueError(f"streams {tuple(streams.shape)} do not hold {n} pages of "
+                                 f"{page_size} elements for {len(pages)} layers")
+            grid = (len(pages), n, triton.cdiv(page_size, WRITE_BLOCK))
+            _write_pages_kernel[grid](ptrs, streams, page_ids, page_size, n,
+                                      DTYPE=_TL_DTYPES[first.dtype], BLOCK=WRITE_BLOCK)
+        return write
 
     def _shrink(self, x, pool, h, batch, slots, layout, k, width, seg0, count) -> None:
         """h[s] = x @ (rows of segment seg0 + 2s).T for s < count; x has k columns."""

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from vllm_loraserve.kernels import SlotTable, get_backend
-from vllm_loraserve.kernels.batch import ModuleSlices, TokenBatch, TokenBatchBuffers, to_device
+from vllm_loraserve.kernels.batch import ModuleSlices, TokenBatch, TokenBatchBuffers
 from vllm_loraserve.paging.layout import AdapterPlacement, LayerLayout, SliceSpec
 
 SMALL_BATCH = 512  # tokens; at most this many use 16-token work blocks
@@ -82,6 +82,7 @@ class DevicePool:
         self.table = SlotTable.empty(self.layout, self.max_slots, max_pages, self.max_rank,
                                      self.device)
         self.pages = [page_view(kv, self.layout.page_size) for kv in kv_caches]
+        self._write_pages = self.backend.page_writer(self.pages)
 
     def evict(self, slot: int) -> None:
         entry = self.slots.pop(slot, None)
@@ -99,14 +100,12 @@ class DevicePool:
                              f"{placement.num_pages}")
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"slot {slot} outside the table's {self.max_slots} slots")
-        ids = to_device(page_ids, torch.long, self.device)
-        # On the compute stream: ordered after every kernel that read these
+        # On the current stream: ordered after every kernel that read these
         # pages before (as KV or as another adapter) and before this step's.
-        for layer, pages in enumerate(self.pages):
-            src = streams[layer].view(len(page_ids), self.layout.page_size)
-            pages.index_copy_(0, ids, src.to(self.device, pages.dtype, non_blocking=True))
+        # The slot's table row goes first: the page writes read their ids from it.
         self.evict(slot)
         self.table.write(slot, placement, page_ids)
+        self._write_pages(self.table.pages[slot, :len(page_ids)], streams)
         self.slots[slot] = (lora_id, placement, page_ids)
         self.slot_of[lora_id] = slot
 
