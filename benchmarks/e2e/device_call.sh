@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/e2e/device_call.sh offline none,stock-100,pool-100 [SECONDS]
 #   bash benchmarks/e2e/device_call.sh online none,pool-100 [SECONDS]
-#   bash benchmarks/e2e/device_call.sh gpu-tests 2 [SECONDS]
+#   bash benchmarks/e2e/device_call.sh gpu-tests 3 [SECONDS]   (kernel tests once, then the pool's N times)
 #
 # It installs the carried vLLM bundle (and peft for the GPU tests), stops its
 # work after SECONDS (default 540, inside the tool's 600 s), and leaves at
@@ -47,6 +47,9 @@ case $what in
   gpu-tests)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 3
     export PYTHONPATH=$PWD/src:${PYTHONPATH:-}:/tmp/site
+    within python3 -m pytest -m gpu tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider \
+      > "$work/kernels.log" 2>&1
+    echo "kernel tests: exit $?"; tail -1 "$work/kernels.log"
     for i in $(seq "$arg"); do
       mkdir -p "$work/run$i"
       LORASERVE_RESULTS_DIR=$work/run$i within python3 -m pytest -m gpu \

@@ -97,3 +97,24 @@ def test_cuda_graph_replays_a_refilled_batch():
     torch_b.shrink(x, pool, want_h, replayed, slots, m, layout)
     torch_b.expand(want_h, pool, want_y, replayed, slots, m, layout)
     torch.testing.assert_close(y.float(), want_y.float(), atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("streams_dtype", [torch.bfloat16, torch.float32])
+def test_page_writer_equals_the_torch_writer(streams_dtype):
+    """One launch for every layer's pages of a load (the pool's GPU path)
+    writes what the torch backend (one index_copy_ per layer) writes, bit for bit, downcasts
+    included; other pages keep their contents."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    kv = [torch.randn(64, 131072, generator=g, device=dev).to(torch.bfloat16) for _ in range(4)]
+    ids = torch.randperm(64, device=dev)[:12].int()
+    streams = torch.randn(4, 12 * 131072, generator=g, device=dev).to(streams_dtype)
+    out = {}
+    for name in ("torch", "triton"):
+        pages = [t.clone() for t in kv]
+        get_backend(name).page_writer(pages)(ids, streams)
+        torch.cuda.synchronize()
+        out[name] = pages
+    for layer in range(4):
+        assert torch.equal(out["triton"][layer], out["torch"][layer])
+        assert not torch.equal(out["triton"][layer], kv[layer])
