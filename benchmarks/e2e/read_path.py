@@ -138,6 +138,7 @@ def device_write(entries, blocks: int = 256) -> dict:
                               spec.scaling, torch.bfloat16)
         ids = torch.randperm(blocks)[:placement.num_pages].int().cuda()
         loads.append((ids, streams))
+    mb = sum(s.numel() * s.element_size() for _, s in loads) / 1e6
     out = {}
     for backend in ("torch", "triton", "torch", "triton"):  # second pass warm
         write = get_backend(backend).page_writer(kv)
@@ -148,7 +149,6 @@ def device_write(entries, blocks: int = 256) -> dict:
         host = time.perf_counter() - t
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-        mb = sum(s.numel() * s.element_size() for _, s in loads) / 1e6
         out[backend] = dict(loads=len(loads), host_ms=round(1e3 * host / len(loads), 3),
                             wall_ms=round(1e3 * wall / len(loads), 3),
                             gb_per_s=round(mb / 1e3 / wall, 2))

@@ -162,8 +162,8 @@ def pack_layers(
             w = layout.width(seg)
             # A layer without this slice contributes zeros (no index tensor:
             # building one on a GPU would make the host wait for it).
-            first = layers[have[0]][name][pick]
-            zeros = None if len(have) == len(layers) else first.new_zeros(first.shape)
+            like = layers[have[0]][name][pick]
+            zeros = None if len(have) == len(layers) else like.new_zeros(like.shape)
             rows = torch.stack([layers[i][name][pick] if name in layers[i] else zeros
                                 for i in range(len(layers))])
             if pick:

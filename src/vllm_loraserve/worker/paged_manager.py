@@ -288,11 +288,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         for name, ab in entry.weights.tensors(data).items():
             layer, short = entry.where[name]
             per_layer[layer][short] = ab
-        n = entry.placement.num_pages * self.pool.layout.page_size
-        streams = torch.empty((self.num_layers, n), dtype=self.lora_config.lora_dtype,
-                              device=self.device)
         return pack_layers(self.pool.layout, entry.placement, per_layer, entry.scaling,
-                           streams.dtype, out=streams)
+                           self.lora_config.lora_dtype)
 
     # -- the scheduler's page decisions ---------------------------------------
     def apply_step(self, step: PoolStep | None, idle: bool = False) -> None:
