@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/e2e/device_call.sh offline none,stock-100,pool-100 [SECONDS]
 #   bash benchmarks/e2e/device_call.sh online none,pool-100 [SECONDS]
+#   bash benchmarks/e2e/device_call.sh profile none,pool-1000 [SECONDS]   (torch.profiler, 400 requests)
 #   bash benchmarks/e2e/device_call.sh gpu-tests 3 [SECONDS]   (kernel tests once, then the pool's N times)
 #
 # It installs the carried vLLM bundle (and peft for the GPU tests), stops its
@@ -14,7 +15,7 @@
 set -uo pipefail
 what=$1 arg=$2 limit=${3:-540}
 start=$(date +%s) status=0
-case $what in offline|online|gpu-tests) ;; *) echo "unknown call $what" >&2; exit 2 ;; esac
+case $what in offline|online|profile|gpu-tests) ;; *) echo "unknown call $what" >&2; exit 2 ;; esac
 # The bundle installs into this machine's python3: never on the CPU machine.
 command -v nvidia-smi >/dev/null || { echo "not a GPU machine: run this through device" >&2; exit 2; }
 source .devbundle/p1/vllm_install.sh >/dev/null || exit 3
@@ -40,6 +41,10 @@ case $what in
   offline)
     within python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --out "$work" --timeout-s 240
     cp "$work/results.json" "$OUT/offline.json" ;;
+  profile)
+    within python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --profile 400 --out "$work" \
+      --timeout-s 240
+    cp "$work"/profile-*.txt "$OUT"/ ;;
   online)
     within python3 benchmarks/e2e/online_ttft.py --configs "$arg" --rate 12 --duration 30 \
       --out "$work"

@@ -61,3 +61,18 @@ def test_pinned_sizes_count_as_the_allocator_rounds_them():
     assert allocation_bytes(100 << 20, pinned=False) == 100 << 20
     assert allocation_bytes(100 << 20, pinned=True) == 128 << 20
     assert allocation_bytes(128 << 20, pinned=True) == 128 << 20
+
+
+def test_sizes_are_taken_once_when_read(monkeypatch):
+    """Budget sums run on the engine thread at every prefetch decision; they
+    must not ask the CUDA driver (`is_pinned`) again for each entry."""
+    entries = [entry(100) for _ in range(3)]
+
+    def driver_call(self):
+        raise AssertionError("is_pinned called after the read")
+
+    monkeypatch.setattr(torch.Tensor, "is_pinned", driver_call)
+    c = HostCache(budget=250)
+    assert c.put(0, entries[0]) == [] and c.put(1, entries[1]) == []
+    assert c.has_room(50, keep={0, 1}) and not c.has_room(51, keep={0, 1})
+    assert c.put(2, entries[2], keep={1}) == [0] and c.bytes_used == 200
