@@ -53,7 +53,12 @@ CONFIGS: dict[str, tuple[int, bool, dict]] = {
     "pool-2000": (2000, True, {}),
     "pool-r8-single": (1, True, {}),
     "pool-base-only": (0, True, {}),
+    "none-v1": (0, False, {}),
 }
+# The plugin's pool runs on vLLM's V1 model runner (V2 does not support it),
+# while `none` and stock get vLLM's default, V2. `none-v1` is `none` on V1: the
+# runner's share of every pool config's gap, apart from the pool's own.
+CONFIG_ENV = {"none-v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
 POOL_KW = dict(enable_lora=True, max_lora_rank=128, max_loras=1,
                lora_target_modules=LORA_TARGETS, additional_config={"loraserve": {}})
 
@@ -273,8 +278,8 @@ def main() -> None:
         t = time.time()
         with open(os.path.join(a.out, f"{c}.log"), "w") as lf:
             try:
-                env = {**os.environ, **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-                                        if a.profile else {})}
+                env = {**os.environ, **CONFIG_ENV.get(c, {}),
+                       **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if a.profile else {})}
                 rc = subprocess.run([sys.executable, __file__, "--child", c, "--root", a.root,
                                      "--out", a.out, "--profile", str(a.profile)], env=env,
                                     stdout=lf, stderr=subprocess.STDOUT,
