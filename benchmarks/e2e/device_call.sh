@@ -60,7 +60,7 @@ case $what in
       LORASERVE_RESULTS_DIR=$work/run$i within python3 -m pytest -m gpu \
         tests/gpu/test_pool_gpu.py -q -p no:cacheprovider > "$work/run$i.log" 2>&1
       echo "run $i: exit $? after $(( $(date +%s) - start )) s"; tail -1 "$work/run$i.log"
-      cp "$work/run$i/gpu_pool.json" "$OUT/gpu_pool-run$i.json" 2>/dev/null
+      for f in "$work/run$i"/*.json; do cp "$f" "$OUT/$(basename "$f" .json)-run$i.json"; done
     done ;;
 esac
 tar czf "$OUT/$what-files.tgz" -C "$work" .
