@@ -96,17 +96,18 @@ class Bf16Tolerance:
         return 2 * self.max
 
 
-def logprob_deltas(ref: HFReference, req: Request, out: dict) -> list[float]:
-    """|served logprob - reference logprob| of each token the server chose."""
-    lp = ref.logprobs(req, out["token_ids"])
+def logprob_deltas(lp: torch.Tensor, out: dict) -> list[float]:
+    """|served logprob - reference logprob| of each token the server chose
+    (`lp`: `HFReference.logprobs` of the same request and tokens)."""
     return [abs(v - float(lp[i, t])) for i, (t, v) in
             enumerate(zip(out["token_ids"], out["logprobs"], strict=True))]
 
 
-def adapter_effect(ref: HFReference, req: Request, token_ids: list[int]) -> float:
-    """Mean |logprob with the adapter - without it| on `token_ids`: what a
-    server that dropped the adapter would be off by."""
-    with_lora = ref.logprobs(req, token_ids)
+def adapter_effect(ref: HFReference, req: Request, token_ids: list[int],
+                   with_lora: torch.Tensor) -> float:
+    """Mean |logprob with the adapter - without it| on `token_ids`
+    (`with_lora`: `ref.logprobs(req, token_ids)`): what a server that dropped
+    the adapter would be off by."""
     base = ref.logprobs(Request(req.prompt_ids), token_ids)
     return float(sum(abs(with_lora[i, t] - base[i, t]) for i, t in enumerate(token_ids))
                  / len(token_ids))
@@ -115,12 +116,12 @@ def adapter_effect(ref: HFReference, req: Request, token_ids: list[int]) -> floa
 def bf16_problems(name: str, deltas: list[float], tol: Bf16Tolerance) -> list[str]:
     """Why `deltas` (one request's, from `logprob_deltas`) are not bf16 noise."""
     problems = []
-    if sum(deltas) / len(deltas) > tol.mean:
-        problems.append(f"{name}: mean logprob delta {sum(deltas) / len(deltas):.3f} "
-                        f"> {tol.mean}")
-    if max(deltas) > tol.max:
-        problems.append(f"{name}: logprob off by {max(deltas):.3f} at token "
-                        f"{deltas.index(max(deltas))} (> {tol.max})")
+    mean, worst = sum(deltas) / len(deltas), max(deltas)
+    if mean > tol.mean:
+        problems.append(f"{name}: mean logprob delta {mean:.3f} > {tol.mean}")
+    if worst > tol.max:
+        problems.append(f"{name}: logprob off by {worst:.3f} at token "
+                        f"{deltas.index(worst)} (> {tol.max})")
     return problems
 
 

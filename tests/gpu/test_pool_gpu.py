@@ -52,16 +52,17 @@ def case(fixed_dir):
     return build_case(fixed_dir("pool-gpu"))
 
 
-def _check_against_reference(ref: HFReference, req: Request, out: dict,
+def _check_against_reference(ref: HFReference, req: Request, out: dict, lp: torch.Tensor,
                               problems: list[str]) -> dict:
-    """Append what is wrong with `out` to `problems`; the request's statistics."""
+    """Append what is wrong with `out` to `problems` (`lp`: the reference's
+    logprobs on its tokens); the request's statistics."""
     name = req.lora_name or "base"
     assert len(out["token_ids"]) == MAX_TOKENS, f"{name}: {out}"
-    d = logprob_deltas(ref, req, out)
+    d = logprob_deltas(lp, out)
     problems += bf16_problems(name, d, TOL)
     stats = {"adapter": name, "pool_max": max(d), "pool_mean": sum(d) / len(d)}
     if req.lora_name is not None:
-        stats["effect"] = adapter_effect(ref, req, out["token_ids"])
+        stats["effect"] = adapter_effect(ref, req, out["token_ids"], lp)
         if stats["effect"] < MIN_EFFECT:
             problems.append(f"{name}: the adapter moves logprobs by only "
                             f"{stats['effect']:.3f}; the test cannot see it")
@@ -90,14 +91,15 @@ def test_pool_bf16_matches_hf_peft_and_stock_vllm(case, tmp_path):
     report = {"tolerance": dataclasses.asdict(TOL), "tie_gap": TOL.tie_gap, "requests": []}
     problems: list[str] = []
     for req, p, s in zip(reqs, pool["outputs"], stock["outputs"], strict=True):
-        stats = _check_against_reference(ref, req, p, problems)
-        ds = logprob_deltas(ref, req, s)
+        lp = ref.logprobs(req, p["token_ids"])
+        stats = _check_against_reference(ref, req, p, lp, problems)
+        ds = logprob_deltas(ref.logprobs(req, s["token_ids"]), s)
         diverge = next((i for i, (a, b) in enumerate(zip(p["token_ids"], s["token_ids"],
                                                           strict=True)) if a != b), None)
         gap = None
         if diverge is not None:
-            lp = ref.logprobs(req, p["token_ids"])[diverge]
-            gap = abs(float(lp[p["token_ids"][diverge]] - lp[s["token_ids"][diverge]]))
+            at = lp[diverge]
+            gap = abs(float(at[p["token_ids"][diverge]] - at[s["token_ids"][diverge]]))
             if gap > TOL.tie_gap:
                 problems.append(f"{stats['adapter']}: greedy differs from stock vLLM at "
                                 f"{diverge} (fp32 gap {gap:.3f})")
@@ -123,7 +125,8 @@ def test_loads_ahead_on_the_side_stream_match_hf_peft(case, tmp_path):
     ref = HFReference(model, device="cuda")
     problems: list[str] = []
     report = {"tolerance": dataclasses.asdict(TOL), "pool": pool["residency"]["pool"],
-              "requests": [_check_against_reference(ref, req, out, problems)
+              "requests": [_check_against_reference(ref, req, out,
+                                                    ref.logprobs(req, out["token_ids"]), problems)
                            for req, out in zip(reqs, pool["outputs"], strict=True)]}
     _write_report(report, "gpu_pool_ahead.json")
     assert report["pool"]["page_loads_ahead"] > 0, report["pool"]
