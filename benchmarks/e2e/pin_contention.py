@@ -28,7 +28,7 @@ import threading
 import time
 
 CASES = {
-    "idle": None,  # no readers: the launches' own cost
+    "idle": "",  # no readers: the launches' own cost
     "register": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
     "hostalloc": "",  # torch's default pinned allocator (cudaHostAlloc)
     "arena": "",  # one block pinned up front; readers only copy into it
@@ -57,9 +57,8 @@ def child(case: str, readers: int, buf_mb: int, total_gb: float) -> dict:
                 buf = arena[off:off + n]
             buf.copy_(src)
 
-    threads = [threading.Thread(target=reader, args=(i,)) for i in range(readers)]
-    if CASES[case] is None:
-        threads = []
+    threads = [] if case == "idle" else [threading.Thread(target=reader, args=(i,))
+                                         for i in range(readers)]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for t in threads:
