@@ -229,6 +229,21 @@ def test_wrong_base_model(tmp_path):
         check_against_model(spec, MODEL)
 
 
+@pytest.mark.parametrize("path", ["model.layers.7.self_attn.q_proj",  # a layer it lacks
+                                  "model.layers.0.mlp.q_proj",  # q_proj elsewhere
+                                  "q_proj"])
+def test_module_path_the_model_lacks(tmp_path, path):
+    """Issue 22: short names and shapes fit, the path does not (a layer index
+    past the model's last killed the engine at the adapter's page load)."""
+    model = ModelLoRAInfo(MODEL.shapes, MODEL.max_rank, frozenset(DIMS))
+    spec = inspect_adapter(_write(tmp_path / "a", dims={**DIMS, path: (16, 16)}))
+    with pytest.raises(AdapterError, match=rf"targets {path}, which this model does not have"):
+        check_against_model(spec, model)
+    check_against_model(spec, MODEL)  # shapes alone cannot tell
+    check_against_model(inspect_adapter(_write(tmp_path / "b")), model)
+    assert ModelLoRAInfo.from_wire(model.to_wire(), 8) == model
+
+
 def test_embedding_adapter_shapes(tmp_path):
     path = _write_raw(tmp_path / "a", {
         "base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 100),

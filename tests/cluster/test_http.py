@@ -26,9 +26,11 @@ def tiny_model_info(tiny_assets) -> dict:
     from vllm_loraserve.demo.assets import ALL_TARGETS, module_dims
 
     shapes: dict = {}
-    for module, dims in module_dims(os.path.join(tiny_assets, "model"), ALL_TARGETS).items():
-        shapes.setdefault(short_name(module), set()).add(dims)
-    return {"max_rank": 128, "shapes": {k: sorted(v) for k, v in shapes.items()}}
+    dims = module_dims(os.path.join(tiny_assets, "model"), ALL_TARGETS)
+    for module, shape in dims.items():
+        shapes.setdefault(short_name(module), set()).add(shape)
+    return {"max_rank": 128, "shapes": {k: sorted(v) for k, v in shapes.items()},
+            "modules": sorted(dims)}
 
 
 @pytest.fixture(scope="module")

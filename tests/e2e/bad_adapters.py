@@ -17,6 +17,9 @@ EXPECTED_REASONS = {
     "bad-target": "unsupported target module(s) ['rotary_proj']",
     "dora": "DoRA",
     "nan-alpha": "'lora_alpha' must be a finite number, got nan",
+    # The tiny model has 4 layers; this one's shapes fit (issue 22: it killed the engine).
+    "layer-7": "targets model.layers.7.self_attn.q_proj (and 1 more), which this model does "
+               "not have",
 }
 # Only a read of the tensors finds this one (on its first request).
 INF_WEIGHTS = "inf-weights"
@@ -38,6 +41,8 @@ def build_bad_adapters(tiny_assets: str, out: str) -> None:
     make_adapter(os.path.join(out, "bad-target"),
                  {**dims, "model.layers.0.self_attn.rotary_proj": (128, 128)},
                  rank=8, alpha=16, seed=3, base_model="tiny")
+    make_adapter(os.path.join(out, "layer-7"), layer_7_dims(model), rank=8, alpha=16, seed=4,
+                 base_model="tiny")
     shutil.copytree(good, os.path.join(out, "dora"))
     cfg_path = os.path.join(out, "dora", "adapter_config.json")
     cfg = json.load(open(cfg_path))
@@ -45,6 +50,12 @@ def build_bad_adapters(tiny_assets: str, out: str) -> None:
     shutil.copytree(good, os.path.join(out, "nan-alpha"))
     cfg_path = os.path.join(out, "nan-alpha", "adapter_config.json")
     json.dump({**cfg, "lora_alpha": float("nan")}, open(cfg_path, "w"))
+
+
+def layer_7_dims(model: str) -> dict[str, tuple[int, int]]:
+    """q/v of layer 0, renamed to a layer 7 that the 4-layer tiny model lacks."""
+    return {k.replace(".layers.0.", ".layers.7."): v
+            for k, v in module_dims(model, ("q_proj", "v_proj")).items() if ".layers.0." in k}
 
 
 def build_inf_weights(tiny_assets: str, out: str) -> str:

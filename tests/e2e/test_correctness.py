@@ -131,9 +131,10 @@ def test_other_architecture_rslora_partial_targets(qwen_assets, tmp_path_factory
 
 def _check_module_table(model: str, table: dict, expected: tuple[str, ...]) -> None:
     """The workers' table (packed qkv/gate_up split back into PEFT names) has
-    exactly the HF model's shapes for every module vLLM adapts."""
-    assert set(table) == set(expected)
+    exactly the HF model's module paths and shapes for every module vLLM adapts."""
+    assert set(table["shapes"]) == set(expected)
     hf = module_dims(model, expected)
-    for name, shapes in table.items():
+    assert set(table["modules"]) == set(hf)
+    for name, shapes in table["shapes"].items():
         assert {tuple(s) for s in shapes} == {v for k, v in hf.items()
                                               if k.rsplit(".", 1)[-1] == name}, name

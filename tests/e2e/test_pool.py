@@ -16,6 +16,7 @@ from vllm_loraserve.adapters.peft import inspect_adapter
 from vllm_loraserve.demo.assets import ALL_TARGETS, make_adapter, module_dims
 from vllm_loraserve.paging.model import model_layout
 
+from .bad_adapters import layer_7_dims
 from .reference import HFReference, Request, mismatches, run_vllm
 
 pytestmark = pytest.mark.e2e
@@ -136,6 +137,34 @@ def test_an_adapter_the_pool_cannot_serve_fails_alone(case, tiny_assets, tmp_pat
     run = run_vllm(tmp_path, model, mixed, engine, MAX_TOKENS)
     assert run["outputs"][0]["token_ids"] == [] and run["outputs"][0]["finish_reason"] == "error"
     check(model, mixed[1:], run["outputs"][1:])
+
+
+def test_a_load_that_fails_at_any_stage_fails_its_adapter_alone(case, tiny_assets, tmp_path):
+    """Issue 22: an adapter naming a layer the model lacks (its shapes fit, so
+    no check before the worker's read sees it) killed the engine at its page
+    load. Now that, and any exception while reading, packing or writing one
+    adapter's pages, fails that adapter's requests alone: the others equal
+    HF + PEFT, in the same batches."""
+    model, reqs = case
+    layer_7 = str(tmp_path / "layer-7")
+    make_adapter(layer_7, layer_7_dims(model), rank=8, alpha=16, seed=4, base_model="tiny")
+    good = reqs[:8]
+    named = [r.lora_name for r in good if r.lora_name]
+    faults = {name: stage for name, stage in zip(dict.fromkeys(named),
+                                                 ("read", "pack", "write"), strict=False)}
+    assert len(faults) == 3
+    bad = [Request(reqs[0].prompt_ids, "layer-7", layer_7), *(
+        r for r in reqs if r.lora_name in faults)]
+    ok = [r for r in reqs if r.lora_name not in faults]
+    mixed = [*bad, *ok]
+    engine = {"max_loras": 1, "max_lora_rank": 128, "max_num_seqs": 32,
+              "additional_config": {"loraserve": {}}}
+    run = run_vllm(tmp_path, model, mixed, engine, MAX_TOKENS, script="faulty_load.py",
+                   faults=faults, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    for r, out in zip(bad, run["outputs"], strict=False):
+        assert (out["token_ids"], out["finish_reason"]) == ([], "error"), r.lora_name
+    check(model, ok, run["outputs"][len(bad):])
+    assert len({r.lora_name for r in ok if r.lora_name}) >= 5
 
 
 def test_a_slow_adapter_read_does_not_hold_up_the_batch(case, tmp_path):

@@ -350,18 +350,31 @@ def read_weights(path: str, alloc: Any) -> tuple[PeftSpec, RawWeights]:
 @dataclass(frozen=True)
 class ModelLoRAInfo:
     """What the served model accepts: short module name -> allowed (in, out)
-    pairs (one per distinct layer shape), plus the rank limit."""
+    pairs (one per distinct layer shape), the rank limit, and every module
+    path an adapter may name (PEFT's names, e.g.
+    `model.layers.0.self_attn.q_proj`; None where only the shapes are known:
+    the pool's own check in the scheduler, whose worker checks paths on read)."""
 
     shapes: Mapping[str, frozenset[tuple[int, int]]]
     max_rank: int
+    modules: frozenset[str] | None = None
 
     @classmethod
-    def from_wire(cls, shapes: Mapping[str, Any], max_rank: int) -> ModelLoRAInfo:
-        return cls({k: frozenset(tuple(p) for p in v) for k, v in shapes.items()}, max_rank)
+    def from_wire(cls, raw: Mapping[str, Any], max_rank: int) -> ModelLoRAInfo:
+        """From the workers' `loraserve_lora_modules` (worker/residency.py)."""
+        modules = raw["modules"]
+        return cls({k: frozenset(tuple(p) for p in v) for k, v in raw["shapes"].items()},
+                   max_rank, None if modules is None else frozenset(modules))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"max_rank": self.max_rank,
+                "shapes": {k: sorted(v) for k, v in sorted(self.shapes.items())},
+                "modules": None if self.modules is None else sorted(self.modules)}
 
 
 def check_against_model(spec: PeftSpec, model: ModelLoRAInfo) -> None:
-    """Raise AdapterError if the served model cannot apply this adapter."""
+    """Raise AdapterError if the served model cannot apply this adapter: its
+    rank, its modules by name (layer index included) and their shapes."""
     if spec.rank > model.max_rank:
         raise AdapterError(
             f"rank {spec.rank} is above this server's maximum LoRA rank {model.max_rank} "
@@ -373,6 +386,14 @@ def check_against_model(spec: PeftSpec, model: ModelLoRAInfo) -> None:
             f"unsupported target module(s) {unsupported}; this model applies LoRA to "
             f"{sorted(model.shapes)}"
         )
+    if model.modules is not None:
+        unknown = sorted(set(spec.modules) - model.modules)
+        if unknown:
+            more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+            raise AdapterError(
+                f"adapter does not fit this base model: it targets {unknown[0]}{more}, which "
+                f"this model does not have (adapter trained for "
+                f"{spec.base_model or 'an unknown base model'})")
     for module, m in spec.modules.items():
         allowed = model.shapes[short_name(module)]
         if (m.in_features, m.out_features) not in allowed:

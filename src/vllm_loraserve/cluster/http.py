@@ -147,7 +147,7 @@ def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float 
                     r = await client.get(f"{core.engines[e].url}/loraserve/v1/model",
                                          timeout=30.0)
                     raw = r.raise_for_status().json()
-                    model_info.append(ModelLoRAInfo.from_wire(raw["shapes"], raw["max_rank"]))
+                    model_info.append(ModelLoRAInfo.from_wire(raw, raw["max_rank"]))
                     break
                 except (httpx.HTTPError, ValueError, KeyError, TypeError):
                     continue

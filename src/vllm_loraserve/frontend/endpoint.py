@@ -5,7 +5,7 @@ Routes:
   modules, size and where it resides now (disk / host / gpu), invalid ones
   with the reason;
 - `GET /loraserve/v1/adapters/{name}`: one of them (404 if unknown);
-- `GET /loraserve/v1/model`: the rank limit and the module shapes adapters
+- `GET /loraserve/v1/model`: the rank limit, module paths and shapes adapters
   are checked against.
 
 vLLM loads endpoint plugins only when `VLLM_PLUGINS` names them. `--plugin
@@ -70,15 +70,14 @@ async def list_adapters(raw_request: Request) -> JSONResponse:
 
 @router.get("/model")
 async def model_info(raw_request: Request) -> JSONResponse:
-    """What adapters must fit: rank limit and module shapes (the router checks
+    """What adapters must fit: rank limit, module paths and shapes (the router checks
     an adapter against this before it copies it anywhere)."""
     catalog = serving.catalog_of(raw_request.app.state.openai_serving_models)
     try:
         info = await catalog.model_info()
     except Exception as e:
         return _engine_unavailable(e)
-    return JSONResponse({"max_rank": info.max_rank,
-                         "shapes": {k: sorted(v) for k, v in sorted(info.shapes.items())}})
+    return JSONResponse(info.to_wire())
 
 
 @router.get("/adapters/{name}")

@@ -89,8 +89,8 @@ def _make_catalog(models: Any) -> AdapterCatalog:
     engine_client = models.engine_client
 
     async def fetch() -> ModelLoRAInfo:
-        shapes = (await engine_client.collective_rpc("loraserve_lora_modules"))[0]
-        return ModelLoRAInfo.from_wire(shapes, engine_client.vllm_config.lora_config.max_lora_rank)
+        raw = (await engine_client.collective_rpc("loraserve_lora_modules"))[0]
+        return ModelLoRAInfo.from_wire(raw, engine_client.vllm_config.lora_config.max_lora_rank)
 
     catalog = AdapterCatalog(fetch)
     _CATALOGS.add(catalog)

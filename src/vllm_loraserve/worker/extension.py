@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_loraserve.worker.residency import ResidencyTracker, lora_module_shapes
+from vllm_loraserve.worker.residency import ResidencyTracker, lora_modules
 
 TRACKER_ATTR = "_loraserve_tracker"
 
@@ -22,9 +22,9 @@ class LoraServeWorkerExtension:
             raise RuntimeError("vllm-loraserve needs --enable-lora")
         return runner.lora_manager
 
-    def loraserve_lora_modules(self) -> dict[str, list[tuple[int, int]]]:
-        """Module short name -> accepted (in, out) shapes, for adapter checks."""
-        return lora_module_shapes(self._loraserve_lora_manager()._adapter_manager)
+    def loraserve_lora_modules(self) -> dict[str, Any]:
+        """What adapters may target (module paths, shapes), for adapter checks."""
+        return lora_modules(self._loraserve_lora_manager()._adapter_manager)
 
     def loraserve_residency(self) -> dict[str, Any]:
         """Adapter ids per tier and the load events since the last call."""

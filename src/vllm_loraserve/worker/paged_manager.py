@@ -19,9 +19,11 @@ warm-up calls). Differences from vLLM:
   `PoolReport` tells the scheduler which adapters are in that tier, so it
   admits a request only once its adapter is; a step reads from disk itself
   only if the tier dropped an adapter after reporting it.
-- An adapter whose files cannot be read (changed or removed on disk after
-  its checks) is marked failed with the reason: its tokens run without LoRA
-  in that one step, and the scheduler fails its requests; the engine goes on.
+- An adapter whose load fails at any stage (its files changed or removed on
+  disk after its checks, a module this model does not have, an error while
+  packing or writing its pages) is marked failed with the reason: its tokens
+  run without LoRA in that one step, and the scheduler fails its requests;
+  the engine goes on.
 - Embedding and lm_head adapters are not wrapped, so the API server's checks
   refuse adapters that target them (HTTP 400, naming the module).
 """
@@ -52,7 +54,7 @@ from vllm_loraserve.paging.step import PageLoad, PoolReport, PoolStep, Prefetch
 from vllm_loraserve.worker.host_cache import HostAdapter, HostCache, allocation_bytes
 from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker.pool import DevicePool
-from vllm_loraserve.worker.residency import MAX_BUFFERED_EVENTS
+from vllm_loraserve.worker.residency import MAX_BUFFERED_EVENTS, lora_modules
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -133,6 +135,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             lora_config=self.lora_config, vllm_config=vllm_config, device=self.device,
             lora_manager_cls=self._manager_cls)
         self._adapter_manager = manager
+        # What an adapter may name (PEFT paths): anything else fails its read.
+        self._module_paths = frozenset(lora_modules(manager)["modules"])
         text_config = vllm_config.model_config.hf_text_config
         self.num_layers = text_config.num_hidden_layers
         # The page size is only known once the KV cache exists; the slices are
@@ -264,6 +268,9 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         for name, (a, b) in raw.modules.items():
             short = short_name(name)
             s = slices.get(short)
+            if name not in self._module_paths:
+                raise ValueError(f"adapter {lora_request.lora_name} targets {name}, which "
+                                 "this model does not have")
             if s is None:
                 raise ValueError(f"adapter {lora_request.lora_name} targets {name}, which "
                                  "the loraserve pool does not serve")
@@ -329,26 +336,42 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                         f"the files changed since the scheduler checked them: rank "
                         f"{entry.placement.rank} in {entry.placement.num_pages} pages, "
                         f"planned rank {load.rank} in {len(load.page_ids)}")
-            except Exception as e:
-                with self._lock:  # a failed read recorded it already
-                    self.failed.setdefault(lr.lora_int_id, f"{type(e).__name__}: {e}")
-                self.pool.evict(load.slot)  # its tokens run without LoRA this step
+            except Exception as e:  # a failed read recorded it already
+                self._fail_load(load, f"{type(e).__name__}: {e}")
                 continue
             finally:
                 self.prefetch_hits += hit
                 self.prefetch_misses += not hit
             t0 = time.perf_counter()
-            if load.ahead and self._side is not None:
-                # No request of this step uses it: copy beside the forward pass,
-                # after whatever read its pages before (as KV or as another
-                # adapter); the next step's forward waits for it (above).
-                self._side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self._side):
+            try:
+                if load.ahead and self._side is not None:
+                    # No request of this step uses it: copy beside the forward
+                    # pass, after whatever read its pages before (as KV or as
+                    # another adapter); the next step's forward waits for it.
+                    self._side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(self._side):
+                        self._load(load, entry)
+                else:
                     self._load(load, entry)
-            else:
-                self._load(load, entry)
+            except Exception as e:
+                # Packing or writing one adapter's pages failed: its own
+                # requests fail (the scheduler reads `failed`), the step goes on.
+                self._fail_load(load, f"its pages could not be written: {type(e).__name__}: {e}")
+                continue
             self.page_loads_ahead += load.ahead
             self._record(lr.lora_int_id, "gpu", time.perf_counter() - t0)
+
+    def _fail_load(self, load: PageLoad, reason: str) -> None:
+        """One adapter's load failed: the scheduler fails its requests (from
+        `failed`), its slot is cleared (its tokens run without LoRA this step)."""
+        lr = load.lora_request
+        with self._lock:
+            first = lr.lora_int_id not in self.failed
+            self.failed.setdefault(lr.lora_int_id, reason)
+        if first:
+            logger.error("vllm-loraserve: adapter %s (id %d) cannot be loaded: %s",
+                         lr.lora_name, lr.lora_int_id, reason)
+        self.pool.evict(load.slot)
 
     def _load(self, load: PageLoad, entry: HostAdapter) -> None:
         t0 = time.perf_counter()

@@ -66,20 +66,34 @@ class ResidencyTracker:
                 "dropped_events": self.dropped_events}
 
 
-def lora_module_shapes(adapter_manager: Any) -> dict[str, list[tuple[int, int]]]:
-    """PEFT-level module short name -> distinct (in, out) pairs over layers.
+def lora_modules(adapter_manager: Any) -> dict[str, Any]:
+    """What an adapter may target on this model, as PEFT names it:
+    `{"shapes": short name -> distinct (in, out) pairs over layers,
+    "modules": every full module path}` (`adapters.peft.ModelLoRAInfo.from_wire`).
 
     vLLM packs q/k/v into qkv_proj and gate/up into gate_up_proj; a PEFT
     adapter names the unpacked modules, so packed layers are split by their
     `output_sizes` (full, un-sharded sizes) in `packed_modules_mapping` order.
     """
+    shapes: dict[str, set[tuple[int, int]]] = {}
+    paths = []
+    for path, shape in _peft_modules(adapter_manager):
+        shapes.setdefault(path.rsplit(".", 1)[-1], set()).add(shape)
+        paths.append(path)
+    return {"shapes": {k: sorted(v) for k, v in sorted(shapes.items())},
+            "modules": sorted(paths)}
+
+
+def _peft_modules(adapter_manager: Any) -> list[tuple[str, tuple[int, int]]]:
+    """(PEFT module path, (in, out)) of every module vLLM wrapped for LoRA."""
     from vllm.lora.layers import LogitsProcessorWithLoRA, VocabParallelEmbeddingWithLoRA
 
     packed = adapter_manager.packed_modules_mapping
-    shapes: dict[str, set[tuple[int, int]]] = {}
+    out = []
     for name, module in adapter_manager.modules.items():
         base = module.base_layer
-        short = name.rsplit(".", 1)[-1]
+        prefix, _, short = name.rpartition(".")
+        prefix = prefix + "." if prefix else ""
         if isinstance(module, VocabParallelEmbeddingWithLoRA):  # lora_embedding_A [r, vocab]
             pairs = [(short, (base.org_vocab_size, base.embedding_dim))]
         elif isinstance(module, LogitsProcessorWithLoRA):  # lm_head: A [r, hidden]
@@ -90,6 +104,5 @@ def lora_module_shapes(adapter_manager: Any) -> dict[str, list[tuple[int, int]]]
                      for sub, o in zip(packed[short], outs, strict=True)]
         else:
             pairs = [(short, (base.input_size, base.output_size))]
-        for sub, shape in pairs:
-            shapes.setdefault(sub, set()).add(shape)
-    return {k: sorted(v) for k, v in sorted(shapes.items())}
+        out += [(prefix + sub, shape) for sub, shape in pairs]
+    return out
