@@ -4,26 +4,36 @@
 The workload and method follow ../shared/design/baseline-stock-vllm-h200.md,
 so its numbers can be compared (and its stock configs are rerun here, in the
 same device session):
-- Llama-2-7B shape (hidden 4096, 32 layers, 32/32 heads, intermediate 11008,
-  vocab 32000), dummy weights, bf16, gpu_memory_utilization 0.9,
+- `--shape llama2-7b` (hidden 4096, 32 layers, 32/32 heads, intermediate 11008,
+  vocab 32000; the default) or `llama3-8b` (GQA 32/8, intermediate 14336,
+  vocab 128256), dummy weights, bf16, gpu_memory_utilization 0.9,
   max_model_len 2048, vLLM's defaults otherwise (torch.compile, CUDA graphs);
 - 1000 requests, prompt and output lengths U[8,512] (random token ids,
   ignore_eos, temperature 1.0), all passed to one `generate`;
 - adapter of a request ~ power law P(i) ~ (i+1)^-1 over the config's adapters;
-- PEFT adapters on q,k,v,o, rank (8,16,32,64,128)[i % 5], lora_alpha 2r.
-  100 distinct weight sets are written once (to /dev/shm); adapter i is the
-  directory names/a{i:04d}, whose files are hard links to weight set i % 100,
-  so 1000 or 2000 adapters fit the machine. Each name is a separate adapter to
-  the server (its own id, pages and host-tier entry); the pool never shares
-  weights by content.
+- PEFT adapters on q,k,v,o (`--targets qkvo`, the default) or on every linear
+  layer (`all-linear`), rank `--ranks`[i % len] (default 8,16,32,64,128),
+  lora_alpha 2r. `--distinct` (default 100) weight sets are written once (to
+  /dev/shm); adapter i is the directory names/a{i:04d}, whose files are hard
+  links to weight set i % distinct, so 1000 or 2000 adapters fit the machine.
+  Each name is a separate adapter to the server (its own id, pages and
+  host-tier entry); the pool never shares weights by content.
 - an untimed warm-up touches the first min(n, 100) adapters once (4 output
   tokens each); the timed run then includes every other adapter's first load
   from disk, and any reload after an eviction.
 
 Each config runs in its own child process (one engine). Results: one JSON per
-config under --out, and results.json with them all.
+config under --out, and results.json with them all. With `none` in the same
+call, each config also gets its LoRA time per step (its step time minus
+none's), the adapter bytes its kernels read per step (each distinct adapter
+of a step once: the memory roofline), and its roofline efficiency: those
+bytes' time at the device-to-device copy bandwidth measured in this call,
+divided by the LoRA time (1.0: the LoRA work costs no more than reading its
+weights once).
 
     python3 benchmarks/e2e/bench_e2e.py --configs none,stock-100,pool-100 --out $OUT
+    python3 benchmarks/e2e/bench_e2e.py --shape llama3-8b --targets all-linear \
+        --ranks 16,32,64 --configs none,stock-200,pool-200 --out $OUT
 """
 
 from __future__ import annotations
@@ -36,19 +46,29 @@ import subprocess
 import sys
 import time
 
-RANKS = (8, 16, 32, 64, 128)
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-SHAPE = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-             num_key_value_heads=32, intermediate_size=11008, vocab_size=32000)
-DISTINCT = 100
-LORA_TARGETS = ["qkv_proj", "o_proj"]  # vLLM wraps only what the adapters target
+SHAPES = {
+    "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
+                      rope_theta=10000.0),
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                      rope_theta=500000.0),
+}
+HEAD_DIM = 128
+DEFAULT_RANKS = (8, 16, 32, 64, 128)
+# PEFT modules -> vLLM's wrapped layers (vLLM wraps only what adapters target).
+TARGETS = {"qkvo": (("q_proj", "k_proj", "v_proj", "o_proj"), ["qkv_proj", "o_proj"]),
+           "all-linear": (("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                           "down_proj"), ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])}
 
 # name -> (number of adapters, plugin on, engine kwargs); 0 adapters: base requests only
+STOCK_KW = dict(enable_lora=True, max_loras=32)  # tuned (baseline doc)
 CONFIGS: dict[str, tuple[int, bool, dict]] = {
     "none": (0, False, {}),
-    "stock-100": (100, False, dict(enable_lora=True, max_lora_rank=128, max_loras=32,
-                                   max_cpu_loras=100, lora_target_modules=LORA_TARGETS)),
+    "stock-100": (100, False, dict(STOCK_KW, max_cpu_loras=100)),
+    "stock-200": (200, False, dict(STOCK_KW, max_cpu_loras=200)),
     "pool-100": (100, True, {}),
+    "pool-200": (200, True, {}),
     "pool-1000": (1000, True, {}),
     "pool-2000": (2000, True, {}),
     "pool-r8-single": (1, True, {}),
@@ -59,8 +79,16 @@ CONFIGS: dict[str, tuple[int, bool, dict]] = {
 # while `none` and stock get vLLM's default, V2. `none-v1` is `none` on V1: the
 # runner's share of every pool config's gap, apart from the pool's own.
 CONFIG_ENV = {"none-v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
-POOL_KW = dict(enable_lora=True, max_lora_rank=128, max_loras=1,
-               lora_target_modules=LORA_TARGETS, additional_config={"loraserve": {}})
+POOL_KW = dict(enable_lora=True, max_loras=1, additional_config={"loraserve": {}})
+
+
+def module_dims(shape: dict) -> dict[str, tuple[str, int, int]]:
+    """PEFT module -> (its block, in, out) in one decoder layer."""
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    q, kv = shape["num_attention_heads"] * HEAD_DIM, shape["num_key_value_heads"] * HEAD_DIM
+    return {"q_proj": ("self_attn", h, q), "k_proj": ("self_attn", h, kv),
+            "v_proj": ("self_attn", h, kv), "o_proj": ("self_attn", q, h),
+            "gate_proj": ("mlp", h, i), "up_proj": ("mlp", h, i), "down_proj": ("mlp", i, h)}
 
 
 def log(*a: object) -> None:
@@ -68,17 +96,17 @@ def log(*a: object) -> None:
 
 
 # -- assets ------------------------------------------------------------------------
-def write_model(d: str) -> None:
+def write_model(d: str, shape: dict) -> None:
     os.makedirs(d, exist_ok=True)
     json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                "hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-               "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-               "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "head_dim": 128,
-               **SHAPE}, open(os.path.join(d, "config.json"), "w"))
+               "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+               "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "head_dim": HEAD_DIM,
+               **shape}, open(os.path.join(d, "config.json"), "w"))
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    vocab.update({f"w{i}": i for i in range(4, SHAPE["vocab_size"])})
+    vocab.update({f"w{i}": i for i in range(4, shape["vocab_size"])})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
     tok.save(os.path.join(d, "tokenizer.json"))
@@ -87,44 +115,57 @@ def write_model(d: str) -> None:
                "model_max_length": 4096}, open(os.path.join(d, "tokenizer_config.json"), "w"))
 
 
-def write_adapters(root: str, n_names: int) -> None:
-    """DISTINCT weight sets (generated on the GPU), hard-linked under n_names names."""
+def write_adapters(root: str, n_names: int, shape: dict, targets: tuple[str, ...],
+                   ranks: tuple[int, ...], distinct: int) -> None:
+    """`distinct` weight sets (generated on the GPU), hard-linked under n_names
+    names. `root` is per (shape, targets, ranks): see main."""
     import torch
 
     from vllm_loraserve.adapters.peft import write_adapter
 
-    h, layers = SHAPE["hidden_size"], SHAPE["num_hidden_layers"]
-    for i in range(DISTINCT):
+    dims = module_dims(shape)
+    for i in range(distinct):
         d = os.path.join(root, "w", f"w{i:03d}")
         if os.path.exists(os.path.join(d, "adapter_config.json")):
             continue
-        r = RANKS[i % len(RANKS)]
+        r = ranks[i % len(ranks)]
         g = torch.Generator(device="cuda").manual_seed(i + 1)
         weights = {}
-        for layer in range(layers):
-            for m in TARGETS:
-                a = torch.randn(r, h, device="cuda", generator=g) / h ** 0.5
-                b = torch.randn(h, r, device="cuda", generator=g) * 0.05
-                weights[f"model.layers.{layer}.self_attn.{m}"] = (
+        for layer in range(shape["num_hidden_layers"]):
+            for m in targets:
+                block, n_in, n_out = dims[m]
+                a = torch.randn(r, n_in, device="cuda", generator=g) / n_in ** 0.5
+                b = torch.randn(n_out, r, device="cuda", generator=g) * 0.05
+                weights[f"model.layers.{layer}.{block}.{m}"] = (
                     a.to(torch.bfloat16).cpu(), b.to(torch.bfloat16).cpu())
-        write_adapter(d, weights, rank=r, alpha=2 * r, base_model="llama2-7b-shape")
+        write_adapter(d, weights, rank=r, alpha=2 * r, base_model="bench-shape")
     for i in range(n_names):
         d = os.path.join(root, "names", f"a{i:04d}")
         if os.path.isdir(d):
             continue
         os.makedirs(d)
-        src = os.path.join(root, "w", f"w{i % DISTINCT:03d}")
+        src = os.path.join(root, "w", f"w{i % distinct:03d}")
         for f in os.listdir(src):
             os.link(os.path.join(src, f), os.path.join(d, f))
 
 
+def asset_dirs(root: str, shape: str, targets: str, ranks: tuple[int, ...]) -> tuple[str, str]:
+    """(model directory, adapters root): the model's path keys vLLM's compile
+    cache, so there is one per shape; adapters per shape, targets and ranks."""
+    model_root = os.path.join(root, shape)
+    return (os.path.join(model_root, "model"),
+            os.path.join(model_root, f"{targets}-r{'-'.join(map(str, ranks))}"))
+
+
 # -- workload ----------------------------------------------------------------------
-def workload(n_adapters: int, seed: int = 0, num: int = 1000, lo: int = 8, hi: int = 512):
-    """The baseline's workload: identical prompts and lengths for every config."""
+def workload(n_adapters: int, vocab: int = 32000, seed: int = 0, num: int = 1000, lo: int = 8,
+             hi: int = 512):
+    """The baseline's workload: identical prompts and lengths for every config
+    (token ids below 32000 whatever the vocabulary: the same prompts on every shape)."""
     rng = random.Random(seed)
     in_lens = [rng.randint(lo, hi) for _ in range(num)]
     out_lens = [rng.randint(lo, hi) for _ in range(num)]
-    prompts = [[rng.randrange(4, SHAPE["vocab_size"]) for _ in range(k)] for k in in_lens]
+    prompts = [[rng.randrange(4, min(vocab, 32000)) for _ in range(k)] for k in in_lens]
     adapters = None
     if n_adapters:
         w = [(i + 1) ** -1.0 for i in range(n_adapters)]
@@ -133,16 +174,21 @@ def workload(n_adapters: int, seed: int = 0, num: int = 1000, lo: int = 8, hi: i
 
 
 # -- one config (child) -------------------------------------------------------------
-def run_config(name: str, root: str, out: str, profile: int = 0) -> None:
+def run_config(name: str, model: str, adapters_root: str, out: str, profile: int,
+               targets: str, max_rank: int) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
     n, plugin, extra = CONFIGS[name]
-    kw = dict(model=os.path.join(root, "model"), load_format="dummy", dtype="bfloat16",
+    kw = dict(model=model, load_format="dummy", dtype="bfloat16",
               max_model_len=2048, gpu_memory_utilization=0.9, seed=0, disable_log_stats=False)
     kw.update(POOL_KW if plugin else {}, **extra)
-    prompts, out_lens, adapters = workload(n if name != "pool-base-only" else 0)
+    if kw.get("enable_lora"):
+        kw.update(max_lora_rank=max_rank, lora_target_modules=TARGETS[targets][1])
+    prompts, out_lens, adapters = workload(n if name != "pool-base-only" else 0,
+                                           json.load(open(kw["model"] + "/config.json"))[
+                                               "vocab_size"])
     if name == "pool-r8-single":
         adapters = [0] * len(prompts)
     res: dict = {"config": name, "adapters": n, "plugin": plugin,
@@ -152,18 +198,18 @@ def run_config(name: str, root: str, out: str, profile: int = 0) -> None:
     res["engine_start_s"] = round(time.perf_counter() - t0, 1)
     vc = llm.llm_engine.vllm_config
     res["num_gpu_blocks"] = vc.cache_config.num_gpu_blocks
-    lreqs = [LoRARequest(f"a{i:04d}", i + 1, os.path.join(root, "names", f"a{i:04d}"))
+    lreqs = [LoRARequest(f"a{i:04d}", i + 1, os.path.join(adapters_root, "names", f"a{i:04d}"))
              for i in range(n)] if kw.get("enable_lora") and n else []
     if adapters is not None:
         res["distinct_adapters_used"] = len(set(adapters))
     wrng = random.Random(7)
-    nw = max(32, min(n, DISTINCT))
+    nw = max(32, min(n, 100))
     warm = [TokensPrompt(prompt_token_ids=[wrng.randrange(4, 32000)
                                            for _ in range(wrng.randint(8, 512))])
             for _ in range(nw)]
     t = time.perf_counter()
     llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True),
-                 lora_request=[lreqs[i % min(n, DISTINCT)] for i in range(nw)]
+                 lora_request=[lreqs[i % min(n, 100)] for i in range(nw)]
                  if lreqs and adapters is not None else None, use_tqdm=False)
     res["warmup_s"] = round(time.perf_counter() - t, 2)
 
@@ -214,6 +260,9 @@ def run_config(name: str, root: str, out: str, profile: int = 0) -> None:
         for key in ("adapters", "ranks"):
             total = snap["pool"][f"adapter_step_{key}"] - before[f"adapter_step_{key}"]
             res["pool"][f"mean_step_{key}"] = round(total / steps, 1) if steps else 0
+        # Over all the timed run's steps (main divides by its engine steps).
+        res["adapter_bytes_timed"] = (snap["pool"]["adapter_step_bytes"]
+                                      - before["adapter_step_bytes"])
         res["pool"]["kv_pages_free_at_end"] = (res["pool"]["total_pages"]
                                                - res["pool"]["adapter_pages"])
     log(f"{name}: {n_out} out tok in {dt:.2f} s -> {n_out / dt:.1f} out tok/s")
@@ -249,9 +298,59 @@ def _metrics(llm) -> dict:
 
 
 # -- parent ---------------------------------------------------------------------------
+def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth, bytes moved (read + written) per second:
+    the rate a kernel that only reads its weights could at best read them."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    bw = 2 * nbytes * reps / (start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return bw
+
+
+def roofline(summary: dict) -> None:
+    """Each config's LoRA time per step (its step time minus none's), adapter
+    bytes read per step and roofline efficiency (module docstring)."""
+    none = summary["configs"].get("none", {})
+    if not none.get("engine_steps"):
+        return
+    none_step = none["gen_s"] / none["engine_steps"]
+    for r in summary["configs"].values():
+        if not r.get("engine_steps"):
+            continue
+        step = r["gen_s"] / r["engine_steps"]
+        r["step_ms"] = round(1e3 * step, 3)
+        r["lora_ms_per_step"] = round(1e3 * (step - none_step), 3)
+        if "adapter_bytes_timed" in r:
+            per_step = r["adapter_bytes_timed"] / r["engine_steps"]
+            r["adapter_bytes_per_step"] = round(per_step)
+            r["roofline_ms_per_step"] = round(1e3 * per_step / summary["copy_bw_bytes_s"], 3)
+            if step > none_step:
+                r["roofline_efficiency"] = round(r["roofline_ms_per_step"]
+                                                 / r["lora_ms_per_step"], 3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="none,stock-100,pool-100")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b")
+    ap.add_argument("--targets", choices=sorted(TARGETS), default="qkvo")
+    ap.add_argument("--ranks", default=",".join(map(str, DEFAULT_RANKS)),
+                    help="adapter i has rank RANKS[i %% len]; the engines' max_lora_rank is "
+                         "the largest")
+    ap.add_argument("--distinct", type=int, default=100, help="distinct weight sets")
+    ap.add_argument("--commit", default=os.environ.get("LORASERVE_COMMIT", "unknown"),
+                    help="recorded in results.json")
     ap.add_argument("--root", default="/dev/shm/loraserve-e2e")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/e2e-out"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -260,20 +359,29 @@ def main() -> None:
                     help="instead of the timed run, profile the first N requests "
                          "(torch.profiler, engine core in-process) into profile-CONFIG.txt")
     a = ap.parse_args()
+    ranks = tuple(int(r) for r in a.ranks.split(","))
+    model, adapters = asset_dirs(a.root, a.shape, a.targets, ranks)
     os.makedirs(a.out, exist_ok=True)
     if a.child:
-        return run_config(a.child, a.root, a.out, a.profile)
+        return run_config(a.child, model, adapters, a.out, a.profile, a.targets, max(ranks))
     configs = a.configs.split(",")
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         sys.exit(f"unknown configs {unknown}; choose from {sorted(CONFIGS)}")
     t = time.time()
-    write_model(os.path.join(a.root, "model"))
-    write_adapters(a.root, max(CONFIGS[c][0] for c in configs))
+    write_model(model, SHAPES[a.shape])
+    write_adapters(adapters, max(CONFIGS[c][0] for c in configs), SHAPES[a.shape],
+                   TARGETS[a.targets][0], ranks, a.distinct)
     log(f"assets in {time.time() - t:.1f} s")
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                           "--format=csv,noheader"], capture_output=True, text=True).stdout
-    summary = {"gpu": gpu.strip(), "configs": {}}
+    import vllm
+
+    summary = {"gpu": gpu.strip(), "vllm": vllm.__version__, "commit": a.commit,
+               "date": time.strftime("%Y-%m-%d"), "shape": a.shape, "targets": a.targets,
+               "ranks": list(ranks), "distinct_weight_sets": a.distinct,
+               "copy_bw_bytes_s": round(copy_bandwidth()), "configs": {}}
+    log(f"copy bandwidth {summary['copy_bw_bytes_s'] / 1e12:.2f} TB/s (read + write)")
     for c in configs:
         t = time.time()
         with open(os.path.join(a.out, f"{c}.log"), "w") as lf:
@@ -281,6 +389,8 @@ def main() -> None:
                 env = {**os.environ, **CONFIG_ENV.get(c, {}),
                        **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if a.profile else {})}
                 rc = subprocess.run([sys.executable, __file__, "--child", c, "--root", a.root,
+                                     "--shape", a.shape, "--targets", a.targets,
+                                     "--ranks", a.ranks,
                                      "--out", a.out, "--profile", str(a.profile)], env=env,
                                     stdout=lf, stderr=subprocess.STDOUT,
                                     timeout=a.timeout_s).returncode
@@ -290,9 +400,12 @@ def main() -> None:
         r = json.load(open(path)) if os.path.exists(path) else {}
         r.update(status="ok" if rc == 0 else f"failed ({rc})", wall_s=round(time.time() - t, 1))
         summary["configs"][c] = r
+        roofline(summary)
         log(f"{c}: {r['status']} start {r.get('engine_start_s')} s, gen {r.get('gen_s')} s, "
             f"{r.get('out_tok_s')} out tok/s, steps {r.get('engine_steps')}, "
-            f"preempt {r.get('preemptions')}, pool {r.get('pool')}")
+            f"preempt {r.get('preemptions')}, LoRA {r.get('lora_ms_per_step')} ms/step, "
+            f"roofline {r.get('roofline_ms_per_step')} ms/step "
+            f"(efficiency {r.get('roofline_efficiency')}), pool {r.get('pool')}")
         if rc != 0:
             log(open(os.path.join(a.out, f"{c}.log"), errors="replace").read()[-2500:])
         json.dump(summary, open(os.path.join(a.out, "results.json"), "w"), indent=1)

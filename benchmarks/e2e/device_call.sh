@@ -7,6 +7,10 @@
 #   bash benchmarks/e2e/device_call.sh profile none,pool-1000 [SECONDS]   (torch.profiler, 400 requests)
 #   bash benchmarks/e2e/device_call.sh gpu-tests 3 [SECONDS]   (kernel tests once, then the pool's N times)
 #
+# BENCH_ARGS adds bench_e2e.py arguments (offline, profile), e.g.
+#   BENCH_ARGS="--shape llama3-8b --targets all-linear --ranks 16,32,64 --distinct 40";
+# LORASERVE_COMMIT (the commit sent; the device has no .git) goes into results.json.
+#
 # It installs the carried vLLM bundle (and peft for the GPU tests), stops its
 # work after SECONDS (default 540, inside the tool's 600 s), and leaves at
 # most 8 files in $OUT (the tool's limit): the GPU's name, the JSON results
@@ -39,11 +43,12 @@ within() {
 
 case $what in
   offline)
-    within python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --out "$work" --timeout-s 240
+    within python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --out "$work" --timeout-s 240 \
+      ${BENCH_ARGS:-}
     cp "$work/results.json" "$OUT/offline.json" ;;
   profile)
     within python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --profile 400 --out "$work" \
-      --timeout-s 240
+      --timeout-s 240 ${BENCH_ARGS:-}
     cp "$work"/profile-*.txt "$OUT"/ ;;
   online)
     within python3 benchmarks/e2e/online_ttft.py --configs "$arg" --rate 12 --duration 30 \

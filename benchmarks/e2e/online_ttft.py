@@ -41,7 +41,7 @@ COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "2
           "--gpu-memory-utilization", "0.9", "--seed", "0", "--served-model-name", BASE,
           "--max-num-batched-tokens", "16384", "--max-num-seqs", "1024"]
 LORA = ["--enable-lora", "--max-lora-rank", "128", "--lora-target-modules",
-        *bench_e2e.LORA_TARGETS]
+        *bench_e2e.TARGETS["qkvo"][1]]
 # name -> (adapters in the trace, plugin on, requests sent to adapters);
 # pool-base-only serves 100 adapters and sends every request to the base model
 CONFIGS = {"none": (100, False, False), "stock-100": (100, False, True),
@@ -74,7 +74,7 @@ def server_args(name: str, root: str) -> list[str]:
 
 def model_map(name: str, catalog: str) -> dict[str, str]:
     n, _, adapters = CONFIGS[name]
-    ranks = bench_e2e.RANKS
+    ranks = bench_e2e.DEFAULT_RANKS
     out = {}
     for spec in json.load(open(catalog)):
         if not adapters:
@@ -102,8 +102,11 @@ def main() -> None:
     if unknown := sorted(set(configs) - set(CONFIGS)):
         sys.exit(f"unknown configs {unknown}; choose from {sorted(CONFIGS)}")
     os.makedirs(a.out, exist_ok=True)
-    bench_e2e.write_model(os.path.join(a.root, "model"))
-    bench_e2e.write_adapters(a.root, max(CONFIGS[c][0] for c in configs))
+    shape = bench_e2e.SHAPES["llama2-7b"]
+    model, adapters = bench_e2e.asset_dirs(a.root, "llama2-7b", "qkvo", bench_e2e.DEFAULT_RANKS)
+    bench_e2e.write_model(model, shape)
+    bench_e2e.write_adapters(adapters, max(CONFIGS[c][0] for c in configs), shape,
+                             bench_e2e.TARGETS["qkvo"][0], bench_e2e.DEFAULT_RANKS, 100)
     summary: dict = {"rate": a.rate, "duration": a.duration, "configs": {}}
     for c in configs:
         n = CONFIGS[c][0]
@@ -117,8 +120,8 @@ def main() -> None:
         json.dump(model_map(c, catalog), open(mapping, "w"))
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [vllm_executable(), "serve", os.path.join(a.root, "model"), *COMMON,
-               "--host", "127.0.0.1", "--port", str(port), *server_args(c, a.root)]
+        cmd = [vllm_executable(), "serve", model, *COMMON,
+               "--host", "127.0.0.1", "--port", str(port), *server_args(c, adapters)]
         server = Server(cmd, os.path.join(a.out, f"server-{c}.log"))
         result: dict = {"command": cmd[1:]}
         try:
@@ -128,7 +131,7 @@ def main() -> None:
             out = os.path.join(a.out, f"replay-{c}.json")
             loraserve_cli("bench", "replay", "--trace", trace, "--url", url, "--out", out,
                           "--model-map", mapping, "--token-id-min", "4", "--token-id-max",
-                          str(bench_e2e.SHAPE["vocab_size"]))
+                          str(shape["vocab_size"]))
             result["summary"] = json.load(open(out))["summary"]
             result["status"] = "ok"
         except Exception as e:  # one config failing must not lose the others' results

@@ -17,8 +17,11 @@ or fail by a lucky tie:
   the two tokens a near tie (gap <= the tolerance's tie gap); after it the
   sequences are different inputs and are not compared.
 
+The pool's engines run with vLLM's JIT monitor in error mode: a kernel
+compiled while serving (not in the pool's warm-up at bind) fails the run.
+
 Results (per-request deltas, divergences) go to
-$LORASERVE_RESULTS_DIR/gpu_pool.json and gpu_pool_ahead.json.
+$LORASERVE_RESULTS_DIR/gpu_pool.json, gpu_pool_ahead.json and gpu_pool_llama3.json.
 """
 
 from __future__ import annotations
@@ -39,12 +42,14 @@ from ..e2e.reference import (
     logprob_deltas,
     run_vllm,
 )
-from .case import ADAPTERS, MAX_TOKENS, build_case
+from .case import ADAPTERS, LLAMA3_ADAPTERS, MAX_TOKENS, build_case
 
 pytestmark = pytest.mark.gpu
 TOL = Bf16Tolerance()
 # An adapter whose effect is below this could be dropped unnoticed.
 MIN_EFFECT = 2 * TOL.mean
+# Any Triton compile after vLLM's warm-up raises in the engine (vllm/utils/jit_monitor.py).
+POOL = {"max_loras": 1, "additional_config": {"loraserve": {}}, "jit_monitor_mode": "error"}
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +87,8 @@ def test_pool_bf16_matches_hf_peft_and_stock_vllm(case, tmp_path):
         (tmp_path / d).mkdir()
     # Engine core in-process: all requests are queued before the first step.
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    pool = run_vllm(tmp_path / "pool", model, reqs,
-                    {**engine, "max_loras": 1, "additional_config": {"loraserve": {}}},
-                    MAX_TOKENS, env=env, dtype="bfloat16")
+    pool = run_vllm(tmp_path / "pool", model, reqs, {**engine, **POOL}, MAX_TOKENS, env=env,
+                    dtype="bfloat16")
     stock = run_vllm(tmp_path / "stock", model, reqs, {**engine, "max_loras": 8}, MAX_TOKENS,
                      env=env, dtype="bfloat16")
     ref = HFReference(model, device="cuda")
@@ -118,8 +122,7 @@ def test_loads_ahead_on_the_side_stream_match_hf_peft(case, tmp_path):
     loaded ahead into free pages on the worker's side stream, beside the
     step's forward pass; each must be complete before its requests run."""
     model, reqs = case
-    engine = {"max_lora_rank": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.5,
-              "max_loras": 1, "additional_config": {"loraserve": {}}}
+    engine = {"max_lora_rank": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.5, **POOL}
     pool = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS,
                     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, dtype="bfloat16")
     ref = HFReference(model, device="cuda")
@@ -130,4 +133,23 @@ def test_loads_ahead_on_the_side_stream_match_hf_peft(case, tmp_path):
                            for req, out in zip(reqs, pool["outputs"], strict=True)]}
     _write_report(report, "gpu_pool_ahead.json")
     assert report["pool"]["page_loads_ahead"] > 0, report["pool"]
+    assert not problems, "\n".join(problems)
+
+
+def test_pool_llama3_8b_layers_gqa_all_linear_match_hf_peft(fixed_dir, tmp_path):
+    """Issue 23: the shapes users serve. Two layers of Llama-3-8B (GQA 32/8,
+    MLP 14336), adapters of ranks 16-64 on all linear layers (qkv, o,
+    gate_up, down: every layer kind vLLM wraps), against HF + PEFT in fp32."""
+    model, reqs = build_case(fixed_dir("pool-gpu-llama3"), "llama3-8b-layers", LLAMA3_ADAPTERS)
+    engine = {"max_lora_rank": 64, "max_num_seqs": 64, "gpu_memory_utilization": 0.5, **POOL}
+    pool = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS,
+                    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, dtype="bfloat16")
+    ref = HFReference(model, device="cuda")
+    problems: list[str] = []
+    report = {"tolerance": dataclasses.asdict(TOL), "pool": pool["residency"]["pool"],
+              "requests": [_check_against_reference(ref, req, out,
+                                                    ref.logprobs(req, out["token_ids"]), problems)
+                           for req, out in zip(reqs, pool["outputs"], strict=True)]}
+    _write_report(report, "gpu_pool_llama3.json")
+    assert report["pool"]["peak_batch_adapters"] == len(LLAMA3_ADAPTERS)
     assert not problems, "\n".join(problems)

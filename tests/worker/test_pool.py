@@ -76,6 +76,13 @@ def test_paged_layers_match_dense_math_and_skip_tokens_without_adapter():
     pool.set_tokens(np.array([12, 12]), ignored_ids={7})
     # Steps with adapters, their distinct adapters and rank sums (8 + 32, then 32).
     assert (pool.adapter_steps, pool.adapter_step_adapters, pool.adapter_step_ranks) == (2, 3, 72)
+    # The bytes of A and B those steps' adapters hold in every layer (fp32 here).
+    dims = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
+            "down_proj": (96, 64)}
+    held = {rank: sum(rank * sum(dims[t]) for t in targets) * LAYERS * 4
+            for rank, targets in ((8, ("q_proj", "k_proj", "v_proj", "down_proj")),
+                                  (32, ("q_proj", "v_proj", "o_proj")))}
+    assert pool.adapter_step_bytes == held[8] + 2 * held[32]
 
 
 def test_pages_of_other_blocks_keep_their_kv():
@@ -114,3 +121,60 @@ def test_page_view_refuses_a_layout_that_is_not_blocks_first():
     kv = torch.zeros(2, 40, 16, 16).transpose(0, 1)  # K/V-first storage
     with pytest.raises(ValueError, match="not blocks-first"):
         page_view(kv, 2 * 16 * 16)
+
+
+def test_warm_up_launches_every_variant_serving_launches():
+    """Issue 23: no kernel compiles while serving. The Triton backend's
+    launches are recorded (not run): every (block height, tiles, split-K) a
+    step of any token count up to the pool's maximum launches for each module
+    kind was launched by the warm-up, which leaves pages, y and h as they were."""
+    from vllm_loraserve.kernels.triton_mbgmm import TritonBackend
+
+    launched: list[tuple] = []
+
+    class Recording(TritonBackend):
+        def shrink(self, x, pool, h, batch, slots, module, layout):
+            t, split_k, _ = self._shrink_launch(batch, slots.max_rank, module.in_features,
+                                                module.count, x.device)
+            launched.append(("shrink", module, batch.block_m, t, split_k))
+            assert int(batch.num_blocks_dev[0]) == 0  # no work: nothing computed
+
+        def expand(self, h, pool, y, batch, slots, module, layout):
+            launched.append(("expand", module, batch.block_m, self._expand_tiles(batch)))
+
+        def page_writer(self, pages):
+            def write(page_ids, streams):
+                launched.append(("write", tuple(page_ids.tolist())))
+                TorchBackend().page_writer(pages)(page_ids, streams)
+            return write
+
+    from vllm_loraserve.kernels.reference import TorchBackend
+
+    layout = model_layout(CFG, 1024)
+    pool = DevicePool(layout.slices, LAYERS, max_rank=32, max_tokens=600, max_slots=8,
+                      max_slices=3, backend="torch", device=torch.device("cpu"))
+    pool.backend = Recording()
+    kv = [torch.randn(KV_SHAPE) for _ in range(LAYERS)]
+    before = [t.clone() for t in kv]
+    pool.bind(kv)
+    kinds = {ModuleSlices.of(layout, names) for names in
+             (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
+              ("down_proj",))}
+    variants = pool.warm_up(kinds)
+    warmed = set(launched)
+    assert ("write", (0,)) in warmed and all(torch.equal(a, b) for a, b in zip(kv, before,
+                                                                          strict=True))
+    shrinks = [k for k in launched if k[0] == "shrink"]
+    assert variants == 1 + len(shrinks) == 1 + len(set(shrinks))  # the writer; each once
+    # Serving: every token count, through the pool's own path.
+    launched.clear()
+    for num_tokens in range(1, 601):
+        pool.set_tokens(np.zeros(num_tokens, dtype=np.int64), ignored_ids=set())
+        pool.active = True  # as with adapter tokens: the launches depend on the count alone
+        for ms in kinds:
+            x = torch.zeros(num_tokens, ms.in_features)
+            y = torch.zeros(num_tokens, sum(ms.out_features))
+            pool.add_lora(0, ms, x, y)
+    served = set(launched)
+    assert {k[2] for k in served if k[0] == "shrink"} == {16, 64}  # both block heights
+    assert served <= warmed, served - warmed

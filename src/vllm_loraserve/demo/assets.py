@@ -70,6 +70,9 @@ PRESETS = {
     "tiny-qwen2": ModelPreset("qwen2", 128, 384, 2, 4, 2, None, True),
     # Small enough for an fp32 HF reference, large enough for real GPU tiles.
     "small": ModelPreset("llama", 512, 1536, 4, 8, 4, None, True),
+    # Two layers of Llama-3-8B (GQA 32/8, intermediate 14336), for the GPU
+    # test of the shapes users serve (all-linear adapters).
+    "llama3-8b-layers": ModelPreset("llama", 4096, 14336, 2, 32, 8, None, True),
     # Llama at ~1.1B for the GPU smoke test (../shared/device recipe's shape).
     "llama-1b": ModelPreset("llama", 2048, 5632, 16, 32, 8, 32000, False),
 }

@@ -26,12 +26,48 @@ Backends are chosen by name: `torch` (reference, CPU path) and `triton`
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from vllm_loraserve.kernels.batch import ModuleSlices, SlotTable, TokenBatch
+from vllm_loraserve.paging.layout import LayerLayout
+
+PageWriter = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+class KernelBackend(Protocol):
+    """What the pool (worker/pool.py) calls on a backend, per LoRA layer and
+    step. `pool` is one layer's pages ([num_pages, page_size]); A_{slot, s}
+    ([rank, in]) and Bt_{slot, s} ([rank, out], scaling folded in) are read
+    from it through `slots` and `layout`. Tokens without an adapter are in no
+    block of `batch` and are never touched."""
+
+    name: str
+
+    def shrink(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, batch: TokenBatch,
+               slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
+        """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T for each slice s of `module`;
+        every other entry of h ([slices, tokens, max_rank], fp32) is 0."""
+
+    def expand(self, h: torch.Tensor, pool: torch.Tensor, y: torch.Tensor, batch: TokenBatch,
+               slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
+        """y[t, cols(s)] += h[s, t, :rank] @ Bt_{slot(t), s}; h must be 0 past
+        each rank (as `shrink` leaves it)."""
+
+    def page_writer(self, pages: list[torch.Tensor]) -> PageWriter:
+        """`write(page_ids, streams)`: row l of `streams` ([layers, n *
+        page_size]) into pages `page_ids` (n ids, on the device) of layer l,
+        for every layer. `pages` must stay allocated."""
+
+    def warm_up(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, y: torch.Tensor,
+                batches: list[TokenBatch], slots: SlotTable, module: ModuleSlices,
+                layout: LayerLayout) -> int:
+        """Compile whatever `shrink` and `expand` of `module` would compile
+        for `batches` (shapes only: their blocks are empty), before serving.
+        Returns the number of variants compiled or found compiled."""
 
 BACKENDS = {
     "torch": "vllm_loraserve.kernels.reference:TorchBackend",
@@ -39,7 +75,7 @@ BACKENDS = {
 }
 
 
-def get_backend(name: str):
+def get_backend(name: str) -> KernelBackend:
     """A backend instance by name (imported lazily: triton is optional)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown LoRA kernel backend {name!r}; choose from {sorted(BACKENDS)}")
@@ -60,4 +96,5 @@ def make_batch(token_slots: Sequence[int] | np.ndarray, device: torch.device | s
     return TokenBatch.build(token_slots, block_m, device)
 
 
-__all__ = ["BACKENDS", "ModuleSlices", "SlotTable", "TokenBatch", "get_backend", "make_batch"]
+__all__ = ["BACKENDS", "KernelBackend", "ModuleSlices", "PageWriter", "SlotTable", "TokenBatch",
+           "get_backend", "make_batch"]

@@ -30,6 +30,9 @@ def _slot_groups(batch: TokenBatch, slots: SlotTable):
 class TorchBackend:
     name = "torch"
 
+    def warm_up(self, *args: object) -> int:
+        return 0  # nothing is compiled
+
     def page_writer(self, pages: list[torch.Tensor]):
         """Writes a load's pages layer by layer (see the package docstring)."""
         def write(page_ids: torch.Tensor, streams: torch.Tensor) -> None:

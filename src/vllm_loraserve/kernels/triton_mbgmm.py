@@ -323,18 +323,25 @@ class TritonBackend:
                                       DTYPE=_TL_DTYPES[first.dtype], BLOCK=WRITE_BLOCK)
         return write
 
+    def _shrink_launch(self, batch: TokenBatch, max_rank: int, k: int, count: int,
+                       device: torch.device) -> tuple[Tiles, int, tuple[int, int, int]]:
+        """Tiles, split-K and grid of a shrink; (block_m, tiles, split-K) is
+        what Triton compiles a variant for (`warm_up`)."""
+        t = self._shrink_tiles(batch, k)
+        rank_blocks = triton.cdiv(max_rank, t.block_n)
+        split_k = t.split_k or auto_split_k(k, t.block_k, batch.max_blocks * rank_blocks * count,
+                                            device)
+        grid = (block_programs(batch.max_blocks, split_k * rank_blocks * count,
+                               device) * split_k, rank_blocks, count)
+        return t, split_k, grid
+
     def _shrink(self, x, pool, h, batch, slots, layout, k, width, seg0, count) -> None:
         """h[s] = x @ (rows of segment seg0 + 2s).T for s < count; x has k columns."""
         h.zero_()
         if batch.max_blocks == 0:
             return
-        t = self._shrink_tiles(batch, k)
+        t, split_k, grid = self._shrink_launch(batch, slots.max_rank, k, count, x.device)
         _check_align(layout, t.block_k)
-        rank_blocks = triton.cdiv(slots.max_rank, t.block_n)
-        split_k = t.split_k or auto_split_k(k, t.block_k, batch.max_blocks * rank_blocks * count,
-                                            x.device)
-        grid = (block_programs(batch.max_blocks, split_k * rank_blocks * count,
-                               x.device) * split_k, rank_blocks, count)
         _shrink_kernel[grid](
             x, pool, h, batch.sorted_tokens, batch.blocks, batch.num_blocks_dev, slots.rank,
             slots.seg_offsets, slots.pages, k, width, layout.page_size,
@@ -365,6 +372,26 @@ class TritonBackend:
             EVEN_H=h.shape[-1] % t.block_k == 0,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
+
+    def warm_up(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, y: torch.Tensor,
+                batches: list[TokenBatch], slots: SlotTable, module: ModuleSlices,
+                layout: LayerLayout) -> int:
+        """Compile, before serving, every kernel variant `shrink` and `expand`
+        of `module` launch for these batch shapes (each with no work blocks,
+        read on the device: the launches compute nothing). Variants differ by
+        block height, tiles and split-K; everything else Triton specialises
+        on (dtypes, strides, the layout's sizes) is fixed by the model.
+        Returns the number of distinct variants launched."""
+        seen = set()
+        for batch in batches:
+            t, split_k, _ = self._shrink_launch(batch, slots.max_rank, module.in_features,
+                                                module.count, x.device)
+            key = (batch.block_m, t, split_k, self._expand_tiles(batch))
+            if key not in seen:
+                seen.add(key)
+                self.shrink(x, pool, h, batch, slots, module, layout)
+                self.expand(h, pool, y, batch, slots, module, layout)
+        return len(seen)
 
     def shrink(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, batch: TokenBatch,
                slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:

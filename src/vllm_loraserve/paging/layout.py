@@ -71,6 +71,12 @@ class LayerLayout:
                 return g
         raise KeyError(f"no slice {name!r} in this layout")
 
+    def weight_elements(self, placement: AdapterPlacement) -> int:
+        """Elements of A and B one layer of this adapter holds (row padding
+        excluded): what the kernels read of it per layer and step."""
+        return sum(placement.rank * (s.in_features + s.out_features)
+                   for g, s in enumerate(self.slices) if placement.seg_offsets[2 * g] >= 0)
+
     def place(self, rank: int, targets: Sequence[str]) -> AdapterPlacement:
         """Where each targeted segment of a rank-`rank` adapter starts."""
         if rank <= 0:

@@ -159,6 +159,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                     f"{tuple(module.output_slices)}, the pool's layout says {ms.in_features} "
                     f"-> {ms.out_features} (use --loraserve-pool vllm)")
             layers.append((module, extract_layer_index(name), ms))
+        self._module_kinds = {ms for _, _, ms in layers}
         self.pool = DevicePool(layout.slices, self.num_layers, self.lora_config.max_lora_rank,
                                self.max_num_batched_tokens, self.cfg.max_slots,
                                max(ms.count for _, _, ms in layers), backend,
@@ -171,9 +172,12 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         """Attach the pool to the KV cache (once, after vLLM made it)."""
         self.pool.bind(kv_caches)
-        logger.info("vllm-loraserve pool bound: %d layers, %d pages of %d elements, %s kernels",
-                    self.num_layers, kv_caches[0].shape[0], self.pool.layout.page_size,
-                    type(self.pool.backend).__name__)
+        t0 = time.perf_counter()
+        variants = self.pool.warm_up(self._module_kinds)
+        logger.info("vllm-loraserve pool bound: %d layers, %d pages of %d elements, %s kernels "
+                    "(%d variants warmed up in %.1f s)", self.num_layers, kv_caches[0].shape[0],
+                    self.pool.layout.page_size, type(self.pool.backend).__name__, variants,
+                    time.perf_counter() - t0)
 
     # -- host tier ------------------------------------------------------------
     def _record(self, lora_id: int, tier: str, seconds: float) -> None:
@@ -463,6 +467,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                          "adapter_steps": self.pool.adapter_steps,
                          "adapter_step_adapters": self.pool.adapter_step_adapters,
                          "adapter_step_ranks": self.pool.adapter_step_ranks,
+                         "adapter_step_bytes": self.pool.adapter_step_bytes,
                          "host_bytes": host_bytes, "host_adapters": len(host_ids),
                          "host_budget": self.host.budget,
                          "prefetch_hits": self.prefetch_hits,

@@ -68,9 +68,35 @@ class DevicePool:
         self.slots: dict[int, tuple[int, AdapterPlacement, tuple[int, ...]]] = {}
         self.slot_of: dict[int, int] = {}  # lora id -> slot
         self.peak_batch_adapters = 0  # most distinct adapters in one step so far
-        # Over the steps with adapter tokens: how many, distinct adapters, and
-        # their ranks summed (the kernels read sum-of-ranks rows per layer).
+        # Over the steps with adapter tokens: how many, distinct adapters,
+        # their ranks summed (the kernels read sum-of-ranks rows per layer),
+        # and the bytes of A and B they hold in all layers (what the step's
+        # kernels must read at least once: the memory roofline).
         self.adapter_steps = self.adapter_step_adapters = self.adapter_step_ranks = 0
+        self.adapter_step_bytes = 0
+
+    def warm_up(self, modules: set[ModuleSlices]) -> int:
+        """Launch, once bound, every kernel variant serving can launch, with
+        no work: the page writer, and shrink and expand of each module kind
+        for the batch shapes of every token count up to `max_tokens`, so no
+        kernel compiles while serving (vLLM's JIT monitor watches from its
+        warm-up's end). Returns the number of variants launched."""
+        assert self.pages is not None, "the pool is not bound to the KV cache yet"
+        # vLLM's null block (id 0) is never handed out: written with itself.
+        page0 = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._write_pages(page0, torch.stack([p[0] for p in self.pages]))
+        empty = torch.zeros(1, dtype=torch.int32, device=self.device)
+        shapes = sorted({self._shape(t) for t in range(1, self.h.shape[1] + 1)})
+        batches = [TokenBatch(1, self._buffers[bm].sorted_tokens,
+                              self._buffers[bm].blocks[:bound], empty, 0, bm)
+                   for bm, bound in shapes]
+        variants, dtype = 1, self.pages[0].dtype  # activations too (the scheduler checks)
+        for module in sorted(modules, key=lambda m: m.first):
+            x = torch.zeros(1, module.in_features, dtype=dtype, device=self.device)
+            y = torch.zeros(1, sum(module.out_features), dtype=dtype, device=self.device)
+            variants += self.backend.warm_up(x, self.pages[0], self.h[:module.count, :1], y,
+                                             batches, self.table, module, self.layout)
+        return variants
 
     # -- residency (from PoolSteps) ---------------------------------------
     def bind(self, kv_caches: list[torch.Tensor]) -> None:
@@ -129,21 +155,29 @@ class DevicePool:
             raise RuntimeError(f"adapters {sorted(missing)} are scheduled but not resident "
                                "in the pool (scheduler and worker disagree)")
         lut = np.full(int(ids.max(initial=0)) + 1, -1, dtype=np.int64)
+        per_layer = self.num_layers * self.pages[0].element_size() if used else 0
         for lora_id in used:
             slot = lut[lora_id] = self.slot_of[lora_id]
-            self.adapter_step_ranks += self.slots[slot][1].rank
+            placement = self.slots[slot][1]
+            self.adapter_step_ranks += placement.rank
+            self.adapter_step_bytes += self.layout.weight_elements(placement) * per_layer
         if used:
             self.adapter_steps += 1
             self.adapter_step_adapters += len(used)
         token_slots = np.where(ids > 0, lut[np.maximum(ids, 0)], -1)
         self._batches = {bm: buf.fill(token_slots) for bm, buf in self._buffers.items()}
 
+    def _shape(self, num_tokens: int) -> tuple[int, int]:
+        """(tokens per work block, most blocks) of a layer input of
+        `num_tokens` rows: what the kernels' launch depends on."""
+        bm = 16 if num_tokens <= SMALL_BATCH else 64
+        return bm, -(-num_tokens // bm) + min(num_tokens, self.max_slots)
+
     def _batch(self, num_tokens: int) -> TokenBatch:
         """The step's batch for a layer input of `num_tokens` rows (padded
         for a CUDA graph, possibly): grid bounded by that count alone."""
-        bm = 16 if num_tokens <= SMALL_BATCH else 64
+        bm, bound = self._shape(num_tokens)
         batch = self._batches[bm]
-        bound = -(-num_tokens // bm) + min(num_tokens, self.max_slots)
         if batch.blocks.shape[0] != bound:
             batch = self._batches[bm] = dataclasses.replace(
                 batch, blocks=self._buffers[bm].blocks[:bound])

@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""docs/benchmarks/e2e-summary.json from the raw results of an acceptance run.
+
+    python3 benchmarks/e2e/summary.py results/DIR/*offline*.json \
+        --out docs/benchmarks/e2e-summary.json
+
+Each input is a bench_e2e.py results.json. One object per config, keyed by
+the config's name (`pool-100`, ...), or `name@shape/targets` for a run of
+another shape or target set than the default (llama2-7b, qkvo): its out
+tok/s, ratio to the `none` of the same results file (same machine, same
+call), roofline efficiency where the pool measured it, and the run's device,
+vLLM, commit and date. Nothing is typed by hand; a config measured twice is
+an error (say which run counts by passing only that one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+DEFAULT = ("llama2-7b", "qkvo")
+
+
+def summarize(runs: list[dict]) -> dict:
+    out: dict = {}
+    for run in runs:
+        shape = (run.get("shape", DEFAULT[0]), run.get("targets", DEFAULT[1]))
+        none = run["configs"].get("none", {}).get("out_tok_s")
+        for name, r in run["configs"].items():
+            if r.get("status") != "ok" or name == "none":
+                continue
+            key = name if shape == DEFAULT else f"{name}@{shape[0]}/{shape[1]}"
+            if key in out:
+                raise SystemExit(f"{key} is in two runs: pass one of them")
+            out[key] = {
+                "out_tok_s": r["out_tok_s"],
+                "ratio_to_none": round(r["out_tok_s"] / none, 3) if none else None,
+                "roofline_efficiency": r.get("roofline_efficiency"),
+                "lora_ms_per_step": r.get("lora_ms_per_step"),
+                "adapter_bytes_per_step": r.get("adapter_bytes_per_step"),
+                "device": run["gpu"], "vllm": run.get("vllm"), "commit": run.get("commit"),
+                "date": run.get("date"), "ranks": run.get("ranks")}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results", nargs="+", help="bench_e2e.py results.json files")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    summary = summarize([json.load(open(p)) for p in a.results])
+    with open(a.out, "w") as f:
+        json.dump(summary, f, indent=1, sort_keys=True)
+        f.write("\n")
+    for key, r in sorted(summary.items()):
+        print(f"{key}: {r['ratio_to_none']} of none, roofline efficiency "
+              f"{r['roofline_efficiency']}")
+
+
+if __name__ == "__main__":
+    main()
