@@ -10,7 +10,9 @@ plugin server and the router alike:
   characters (so no path separator, `..` or control character), and not a
   served base model's name;
 - a path must resolve (symlinks and `..` followed) inside one of the
-  configured adapter roots.
+  configured adapter roots, and so must every file and directory in it
+  (`resolve_adapter_under_roots`): a symlinked file would otherwise be read,
+  or copied to other engines, from anywhere.
 """
 
 from __future__ import annotations
@@ -63,3 +65,28 @@ def resolve_under_roots(path: str, roots: Collection[str]) -> str:
             return real
     raise PathOutsideRoots(f"adapter path {path!r} (resolved: {real}) is outside the adapter "
                            f"roots {sorted(roots)}")
+
+
+def resolve_adapter_under_roots(path: str, roots: Collection[str]) -> str:
+    """The real path of the adapter directory `path` if it and everything in
+    it (walked through symlinked directories, each once) resolve inside one of
+    `roots`, else PathOutsideRoots naming the first entry that does not. The
+    one check for every place that reads or copies an adapter's files with
+    the roots known (frontend/serving.py, adapters/directory.py,
+    cluster/http.py, cluster/sources.py, cluster/store.py)."""
+    real = resolve_under_roots(path, roots)
+    todo, seen = [real], {real}
+    while todo:
+        top = todo.pop()
+        try:
+            with os.scandir(top) as it:
+                entries = list(it)
+        except OSError as e:  # what cannot be listed cannot be checked
+            raise PathOutsideRoots(f"adapter path {path!r} refused: {top} cannot be listed "
+                                   f"to check its files: {e.strerror}") from None
+        for entry in entries:
+            target = resolve_under_roots(entry.path, roots)
+            if entry.is_dir() and target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return real
