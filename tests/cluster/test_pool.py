@@ -60,12 +60,12 @@ def test_adapters_with_files_outside_their_roots_are_not_copied_or_sent(tiny_ass
     source, store = LocalDirSource(str(root)), AdapterStore(str(tmp_path / "store"))
     _, invalid = source.scan()
     assert "outside the adapter roots" in invalid["leaky"]
-    with pytest.raises(PathOutsideRoots, match="leaky/README.md"):
+    with pytest.raises(PathOutsideRoots, match="its file 'README.md'"):
         source.copy_to("leaky", store)
     assert store.names() == []
     shutil.copytree(good, store.path("leaky"))  # as if put there by hand
     os.symlink(tmp_path / "secret", os.path.join(store.path("leaky"), "README.md"))
-    with pytest.raises(PathOutsideRoots, match="leaky/README.md"):
+    with pytest.raises(PathOutsideRoots, match="its file 'README.md'"):
         store.tar("leaky")
 
 

@@ -176,7 +176,7 @@ def test_concurrent_adapters_with_one_vllm_slot_match_hf_peft(server, tiny_asset
 
 # Adapters the server's start-up finds invalid besides EXPECTED_REASONS.
 OTHER_REASONS = {"static-bad": "rank 256",
-                 "file-link": "file-link/adapter_model.safetensors' (resolved: "}
+                 "file-link": "its file 'adapter_model.safetensors' resolves to"}
 
 
 @pytest.mark.parametrize("name", [*EXPECTED_REASONS, *OTHER_REASONS])
