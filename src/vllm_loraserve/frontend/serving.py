@@ -6,8 +6,8 @@ With the plugin active:
 - every adapter is inspected and checked against the model before vLLM sees
   it (`AdapterCatalog.inspect`); a bad one is refused with HTTP 400 and a
   reason instead of failing start-up (static `--lora-modules`) or the engine
-  step; its tensors are read once for NaN/Inf (directory adapters: on their
-  first request);
+  step; its tensors are read once for NaN/Inf and for a scaling that
+  overflows the serving dtype (directory adapters: on their first request);
 - names must be safe identifiers and not a served model's name (400), and a
   runtime `/v1/load_lora_adapter` path, and every file in it, must lie inside
   the adapter roots (`--loraserve-adapter-dir`, `--loraserve-allowed-root`),
@@ -91,15 +91,15 @@ def _make_catalog(models: Any) -> AdapterCatalog:
     import torch
 
     engine_client = models.engine_client
-    lora_config = engine_client.vllm_config.lora_config
 
     async def fetch() -> ModelLoRAInfo:
         shapes = (await engine_client.collective_rpc("loraserve_lora_modules"))[0]
-        return ModelLoRAInfo.from_wire(shapes, lora_config.max_lora_rank)
+        return ModelLoRAInfo.from_wire(shapes, engine_client.vllm_config.lora_config.max_lora_rank)
 
     # The dtype the pool and vLLM hold B * scaling in (VllmConfig resolved
     # "auto" to the model's dtype: LoRAConfig.verify_with_model_config).
-    catalog = AdapterCatalog(fetch, torch.finfo(lora_config.lora_dtype).max)
+    lora_dtype = engine_client.vllm_config.lora_config.lora_dtype
+    catalog = AdapterCatalog(fetch, torch.finfo(lora_dtype).max)
     _CATALOGS.add(catalog)
     return catalog
 
