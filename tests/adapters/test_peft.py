@@ -13,6 +13,7 @@ from vllm_loraserve.adapters.peft import (
     AdapterError,
     ModelLoRAInfo,
     check_against_model,
+    check_finite_weights,
     inspect_adapter,
     load_adapter,
     read_weights,
@@ -253,11 +254,13 @@ def test_embedding_adapter_shapes(tmp_path):
 
 
 
-def test_non_finite_weights(tmp_path):
-    from vllm_loraserve.adapters.peft import check_finite_weights
+BF16_MAX = torch.finfo(torch.bfloat16).max
+FP16_MAX = torch.finfo(torch.float16).max
 
+
+def test_non_finite_weights(tmp_path):
     path = _write(tmp_path / "a")
-    check_finite_weights(path)  # finite: passes
+    check_finite_weights(inspect_adapter(path), BF16_MAX)  # finite: passes
     from safetensors.torch import load_file, save_file
 
     st = os.path.join(path, "adapter_model.safetensors")
@@ -265,6 +268,174 @@ def test_non_finite_weights(tmp_path):
     key = sorted(tensors)[1]
     tensors[key][0, 0] = float("inf")
     save_file(tensors, st)
-    inspect_adapter(path)  # the header is fine
+    spec = inspect_adapter(path)  # the header is fine
     with pytest.raises(AdapterError, match=f"tensor '{key}' holds non-finite values"):
-        check_finite_weights(path)
+        check_finite_weights(spec, BF16_MAX)
+
+
+def _b_max(path):
+    _, weights = load_adapter(path)
+    return max(float(b.abs().max()) for _, b in weights.values())
+
+
+def test_scaling_that_overflows_the_serving_dtype_is_refused(tmp_path):
+    """The pool folds the scaling into B: scaling * max|B| must be finite in
+    the serving dtype (fp16 refuses what bf16 holds), and so must the scaling."""
+    spec = inspect_adapter(_write(tmp_path / "a", rank=4, alpha=8))
+    check_finite_weights(spec, FP16_MAX)
+    b_max = _b_max(spec.path)
+    # scaling * max|B| just above fp16's largest value, far inside bf16's
+    big = inspect_adapter(_write(tmp_path / "big", rank=4, alpha=4 * 1.01 * FP16_MAX / b_max))
+    check_finite_weights(big, BF16_MAX)
+    with pytest.raises(AdapterError, match=r"scaling .* \(lora_alpha .* / r=4\) times the "
+                       r"largest \|lora_B\| weight .* above 6\.55e\+04.*lora_alpha is too "
+                       "large"):
+        check_finite_weights(big, FP16_MAX)
+    absurd = inspect_adapter(_write(tmp_path / "absurd", rank=4, alpha=1e30))
+    with pytest.raises(AdapterError, match=r"scaling 2\.5e\+29 \(lora_alpha 1e\+30 / r=4\) "
+                       r"is above 6\.55e\+04, the largest value of the serving dtype"):
+        check_finite_weights(absurd, FP16_MAX)
+    check_finite_weights(absurd, BF16_MAX)  # representable in bf16: not refused
+    # the scaling alone beyond the dtype, though B is all zeros (a fresh LoRA)
+    w = {m: (torch.ones(4, i), torch.zeros(o, 4)) for m, (i, o) in DIMS.items()}
+    write_adapter(str(tmp_path / "zero-b"), w, rank=4, alpha=2e39, base_model="x")
+    with pytest.raises(AdapterError, match=r"scaling 5e\+38 .* is above 3\.39e\+38"):
+        check_finite_weights(inspect_adapter(str(tmp_path / "zero-b")), BF16_MAX)
+    rs = inspect_adapter(_write(tmp_path / "rs", rank=4, alpha=1e39, use_rslora=True))
+    with pytest.raises(AdapterError, match=r"scaling 5e\+38 \(lora_alpha 1e\+39 / "
+                       r"sqrt\(r=4\), rsLoRA\) is above 3\.39e\+38"):
+        check_finite_weights(rs, BF16_MAX)
+
+
+# adapter_config.json bytes -> what the message says. Every parser failure
+# (RecursionError, UnicodeDecodeError, OverflowError, ...) is an AdapterError.
+DEEP = b"[" * 100_000 + b"]" * 100_000
+CONFIG_DAMAGE = {
+    "deep-nesting": (DEEP, "not valid JSON: RecursionError"),
+    "deep-value": (b'{"r": 4, "lora_alpha": ' + DEEP + b"}", "not valid JSON: RecursionError"),
+    "invalid-utf8": (b'{"r": 4, "lora_alpha": 8, "x": "\xff\xfe\xfa"}',
+                     "not valid JSON: UnicodeDecodeError"),
+    "huge-float": (b'{"r": 4, "lora_alpha": 1e999}',
+                   "'lora_alpha' must be a finite number, got inf"),
+    "huge-r": (b'{"r": 1e400, "lora_alpha": 8}', "'r' must be a positive integer, got inf"),
+    "huge-int-alpha": (b'{"r": 4, "lora_alpha": 1' + b"0" * 400 + b"}",
+                       "'lora_alpha' must be a finite number, got 1000"),
+    "too-many-digits": (b'{"r": 4, "lora_alpha": 1' + b"0" * 5000 + b"}", "not valid JSON"),
+    "nan-literal": (b'{"r": 4, "lora_alpha": NaN}',
+                    "'lora_alpha' must be a finite number, got nan"),
+    "list": (b"[1, 2]", "must hold a JSON object"),
+    "null": (b"null", "must hold a JSON object"),
+    "empty": (b"", "not valid JSON"),
+    "long-value": (b'{"r": 4, "lora_alpha": "' + b"x" * 1_000_000 + b'"}', "finite number"),
+    "nested-peft-type": (b'{"r": 4, "lora_alpha": 8, "peft_type": ' + b"[" * 900 + b"]" * 900
+                         + b"}", r"peft_type is \[\[\[\.\.\.\]\]\], only LORA"),
+    "base-model-object": (b'{"r": 4, "lora_alpha": 8, "base_model_name_or_path": {"a": 1}}',
+                          "'base_model_name_or_path' must be a string"),
+    "too-large": (b'{"r": 4, "lora_alpha": 8' + b" " * (17 << 20) + b"}", "larger than"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(CONFIG_DAMAGE))
+def test_malformed_config_is_an_adapter_error(tmp_path, damage):
+    data, message = CONFIG_DAMAGE[damage]
+    path = _write(tmp_path / "a")
+    with open(os.path.join(path, "adapter_config.json"), "wb") as f:
+        f.write(data)
+    with pytest.raises(AdapterError, match=message) as e:
+        inspect_adapter(path)
+    assert len(str(e.value)) < 1000  # a message, not the file
+
+
+@pytest.mark.parametrize("kind", ["directory", "dangling-symlink", "no-permission"])
+def test_unreadable_config_is_an_adapter_error(tmp_path, kind):
+    path = _write(tmp_path / "a")
+    cfg = os.path.join(path, "adapter_config.json")
+    os.remove(cfg)
+    if kind == "directory":
+        os.mkdir(cfg)
+    elif kind == "dangling-symlink":
+        os.symlink(tmp_path / "nowhere", cfg)
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root reads files whatever their permissions")
+        open(cfg, "w").write("{}")
+        os.chmod(cfg, 0)
+    with pytest.raises(AdapterError, match="adapter_config.json in .* is unreadable"):
+        inspect_adapter(path)
+
+
+def _safetensors(path, header, data=b"", n=None):
+    """A raw safetensors file: an 8-byte length (`n`, default the header's),
+    the header (JSON of an object, or bytes as given), the data."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
+        f.write((len(raw) if n is None else n).to_bytes(8, "little") + raw + data)
+
+
+KEY = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+# header -> what the message says, for read_weights' own reader of the
+# header (the engine's read, long after the API server inspected the file).
+HEADER_DAMAGE = {
+    "huge-length": (dict(header={}, n=1 << 62), "header length 4611686018427387904 does not "
+                    "fit the file"),
+    "length-past-end": (dict(header={}, n=1000), "header length 1000 does not fit"),
+    "short-file": (dict(header=b"", n=None), "header length 0|not valid JSON"),
+    "not-json": (dict(header=b"{not json"), "not valid JSON"),
+    "deep": (dict(header=DEEP), "not valid JSON: RecursionError"),
+    "list": (dict(header=[1, 2]), "header is not a JSON object"),
+    "entry-not-object": (dict(header={KEY: 5}), "is not a tensor: 5"),
+    "no-offsets": (dict(header={KEY: {"dtype": "F32", "shape": [1]}}), "is not a tensor"),
+    "negative-offset": (dict(header={KEY: {"dtype": "F32", "shape": [1],
+                                           "data_offsets": [-4, 0]}}, data=b"\0" * 4),
+                        "is not a tensor"),
+    "wrong-size": (dict(header={KEY: {"dtype": "F32", "shape": [2],
+                                      "data_offsets": [0, 4]}}, data=b"\0" * 8),
+                   "is not a tensor"),
+    "float-shape": (dict(header={KEY: {"dtype": "F32", "shape": [1.5],
+                                       "data_offsets": [0, 6]}}, data=b"\0" * 8),
+                    "is not a tensor"),
+    "odd-dtype": (dict(header={KEY: {"dtype": "Q4", "shape": [1], "data_offsets": [0, 1]}},
+                       data=b"\0"), "is not a tensor"),
+    "past-the-data": (dict(header={KEY: {"dtype": "F32", "shape": [4],
+                                         "data_offsets": [0, 16]}}, data=b"\0" * 8),
+                      "changed while being read"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(HEADER_DAMAGE))
+def test_malformed_safetensors_header_is_an_adapter_error(tmp_path, monkeypatch, damage):
+    """Refused by the inspection (the safetensors library's reader) and by
+    read_weights' own reader, with bounded memory: no allocation of the
+    length a header claims."""
+    kw, message = HEADER_DAMAGE[damage]
+    path = _write(tmp_path / "a")
+    spec = inspect_adapter(path)
+    _safetensors(path, **kw)
+    with pytest.raises(AdapterError, match="unreadable|no tensors"):
+        inspect_adapter(path)
+    monkeypatch.setattr("vllm_loraserve.adapters.peft.inspect_adapter", lambda p: spec)
+    with pytest.raises(AdapterError, match=message):
+        read_weights(path, _alloc)
+
+
+def test_safetensors_header_length_is_capped(tmp_path, monkeypatch):
+    """A header longer than the cap is refused even where the file holds it
+    (the cap, 100 MB as in the safetensors library, made small here)."""
+    path = _write(tmp_path / "a")
+    spec = inspect_adapter(path)
+    _safetensors(path, b"{}" + b" " * 999)
+    monkeypatch.setattr("vllm_loraserve.adapters.peft.MAX_HEADER_BYTES", 1000)
+    monkeypatch.setattr("vllm_loraserve.adapters.peft.inspect_adapter", lambda p: spec)
+    with pytest.raises(AdapterError, match="header length 1001 .* at most 1000"):
+        read_weights(path, _alloc)
+
+
+@pytest.mark.parametrize("content", ["tensor", "list", "dict-of-ints"])
+def test_bin_that_is_not_named_tensors_is_an_adapter_error(tmp_path, content):
+    path = _write(tmp_path / "a")
+    os.remove(os.path.join(path, "adapter_model.safetensors"))
+    obj = {"tensor": torch.zeros(3), "list": [1, 2], "dict-of-ints": {"a": 1}}[content]
+    torch.save(obj, os.path.join(path, "adapter_model.bin"))
+    for read in (inspect_adapter, load_adapter, lambda p: read_weights(p, _alloc)):
+        with pytest.raises(AdapterError, match="does not hold a dict of named tensors"):
+            read(path)

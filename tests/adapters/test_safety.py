@@ -6,7 +6,12 @@ import os
 
 import pytest
 
-from vllm_loraserve.adapters.safety import PathOutsideRoots, check_name, resolve_under_roots
+from vllm_loraserve.adapters.safety import (
+    PathOutsideRoots,
+    check_name,
+    resolve_adapter_under_roots,
+    resolve_under_roots,
+)
 
 
 @pytest.mark.parametrize("name", ["a", "adapter-004-r128", "A.b_c-1", "x" * 200,
@@ -51,3 +56,48 @@ def test_paths_under_roots(tmp_path):
             resolve_under_roots(str(path), [str(root)])
     with pytest.raises(PathOutsideRoots, match="no adapter root is configured"):
         resolve_under_roots(str(root / "a"), [])
+
+
+def test_adapter_files_under_roots(tmp_path):
+    """Every file and directory in an adapter, not only the directory itself,
+    must resolve inside the roots: a symlinked file is refused by name."""
+    root, other = tmp_path / "root", tmp_path / "other"
+    (other / "sub").mkdir(parents=True)
+    (other / "secret").write_text("x")
+    (other / "sub" / "secret").write_text("x")
+    (root / "shared").mkdir(parents=True)
+    (root / "shared" / "adapter_model.safetensors").write_bytes(b"w")
+
+    def adapter(name, links):
+        path = root / name
+        (path / "nested").mkdir(parents=True)
+        for rel, target in links.items():
+            os.symlink(target, path / rel)
+        if "adapter_config.json" not in links:
+            (path / "adapter_config.json").write_text("{}")
+        return str(path)
+
+    # links that stay inside the roots (also through a symlinked directory,
+    # and a loop) are fine
+    ok = adapter("ok", {"adapter_model.safetensors": root / "shared" / "adapter_model.safetensors",
+                        "nested/up": root / "ok", "shared": root / "shared"})
+    assert resolve_adapter_under_roots(ok, [str(root)]) == ok
+    for name, rel, target in [
+        ("config", "adapter_config.json", other / "secret"),
+        ("weights", "adapter_model.safetensors", other / "secret"),
+        ("bin", "adapter_model.bin", other / "secret"),
+        ("deep", "nested/readme", other / "secret"),
+        ("dangling", "adapter_model.bin", other / "nothing"),
+        ("dir-out", "sub", other / "sub"),
+    ]:
+        path = adapter(name, {rel: target})
+        with pytest.raises(PathOutsideRoots, match=f"adapter path '{path}' refused: its file "
+                           f"'{rel}' resolves to .*/other/.*, outside the adapter roots"):
+            resolve_adapter_under_roots(path, [str(root)])
+    # a symlinked directory inside the roots is walked too
+    os.symlink(other / "secret", root / "shared" / "leak")
+    with pytest.raises(PathOutsideRoots, match="its file 'shared/leak' resolves to"):
+        resolve_adapter_under_roots(ok, [str(root)])
+    # the directory's own check comes first, as resolve_under_roots does it
+    with pytest.raises(PathOutsideRoots, match="no adapter root is configured"):
+        resolve_adapter_under_roots(ok, [])

@@ -258,6 +258,10 @@ def test_register_checks_name_roots_and_model_before_copying(upstreams, tiny_ass
     shutil.copytree(good, outside / "ok")
     shutil.copytree(good, root / "ok")
     os.symlink(outside / "ok", root / "link-out")
+    shutil.copytree(good, root / "file-out")
+    os.remove(root / "file-out" / "adapter_model.safetensors")
+    os.symlink(outside / "ok" / "adapter_model.safetensors",
+               root / "file-out" / "adapter_model.safetensors")
     build_bad_adapters(tiny_assets, str(root / "bad"))
     build_inf_weights(tiny_assets, str(root))
     copied = []
@@ -267,7 +271,8 @@ def test_register_checks_name_roots_and_model_before_copying(upstreams, tiny_ass
             r = await client.post("/admin/adapters", json={"name": name, "path": str(path)})
             return r.status_code, r.json().get("error", {}).get("message", "")
 
-        for path in (outside / "ok", f"{root}/../outside/ok", root / "link-out", "/etc"):
+        for path in (outside / "ok", f"{root}/../outside/ok", root / "link-out", "/etc",
+                     root / "file-out"):
             status, message = await post("x", path)
             assert status == 403 and "outside the adapter roots" in message, (path, message)
         for name, reason in (("a/b", "invalid adapter name"), ("x" * 201, "201 characters"),

@@ -7,10 +7,12 @@ import asyncio
 import filecmp
 import io
 import os
+import shutil
 import tarfile
 
 import pytest
 
+from vllm_loraserve.adapters.safety import PathOutsideRoots
 from vllm_loraserve.cluster.sources import LocalDirSource, make_source
 from vllm_loraserve.cluster.store import AdapterStore
 from vllm_loraserve.cluster.transport import make_transport
@@ -45,6 +47,26 @@ def test_store_tar_round_trip_and_rejects_foreign_paths(tiny_assets, tmp_path):
         dst.tar("absent")
     dst.remove("adapter-001-r16")
     assert dst.names() == []
+
+
+def test_adapters_with_files_outside_their_roots_are_not_copied_or_sent(tiny_assets, tmp_path):
+    """A file symlinked out of the roots is read by neither the source's copy
+    (shutil.copytree follows links) nor the store's tar for a peer."""
+    good = os.path.join(tiny_assets, "adapters", "adapter-000-r8")
+    (tmp_path / "secret").write_text("x")
+    root = tmp_path / "root"
+    shutil.copytree(good, root / "leaky")
+    os.symlink(tmp_path / "secret", root / "leaky" / "README.md")
+    source, store = LocalDirSource(str(root)), AdapterStore(str(tmp_path / "store"))
+    _, invalid = source.scan()
+    assert "outside the adapter roots" in invalid["leaky"]
+    with pytest.raises(PathOutsideRoots, match="its file 'README.md'"):
+        source.copy_to("leaky", store)
+    assert store.names() == []
+    shutil.copytree(good, store.path("leaky"))  # as if put there by hand
+    os.symlink(tmp_path / "secret", os.path.join(store.path("leaky"), "README.md"))
+    with pytest.raises(PathOutsideRoots, match="its file 'README.md'"):
+        store.tar("leaky")
 
 
 def test_tcp_transport_moves_an_adapter_between_stores(tiny_assets, tmp_path):

@@ -20,6 +20,8 @@ EXPECTED_REASONS = {
     # The tiny model has 4 layers; this one's shapes fit (issue 22: it killed the engine).
     "layer-7": "targets model.layers.7.self_attn.q_proj (and 1 more), which this model does "
                "not have",
+    # Python's JSON parser raises RecursionError (not a ValueError) on this.
+    "deep-config": "is not valid JSON: RecursionError",
 }
 # Only a read of the tensors finds this one (on its first request).
 INF_WEIGHTS = "inf-weights"
@@ -50,6 +52,9 @@ def build_bad_adapters(tiny_assets: str, out: str) -> None:
     shutil.copytree(good, os.path.join(out, "nan-alpha"))
     cfg_path = os.path.join(out, "nan-alpha", "adapter_config.json")
     json.dump({**cfg, "lora_alpha": float("nan")}, open(cfg_path, "w"))
+    shutil.copytree(good, os.path.join(out, "deep-config"))
+    with open(os.path.join(out, "deep-config", "adapter_config.json"), "w") as f:
+        f.write("[" * 100_000 + "]" * 100_000)
 
 
 def layer_7_dims(model: str) -> dict[str, tuple[int, int]]:
@@ -68,4 +73,29 @@ def build_inf_weights(tiny_assets: str, out: str) -> str:
     tensors = load_file(st)
     next(iter(tensors.values()))[0, 0] = float("inf")
     save_file(tensors, st, metadata={"format": "pt"})
+    return path
+
+
+def build_huge_alpha(tiny_assets: str, out: str) -> str:
+    """A copy of a good adapter with a finite lora_alpha whose scaling no
+    serving dtype holds: only a read of the tensors refuses it."""
+    path = os.path.join(out, "huge-alpha")
+    shutil.copytree(os.path.join(tiny_assets, "adapters", "adapter-000-r8"), path)
+    cfg_path = os.path.join(path, "adapter_config.json")
+    cfg = json.load(open(cfg_path))
+    json.dump({**cfg, "lora_alpha": 1e300}, open(cfg_path, "w"))
+    return path
+
+
+def build_file_link(tiny_assets: str, out: str, outside: str) -> str:
+    """`out`/file-link: a good adapter whose weights file is a symlink to a
+    copy under `outside` (a directory outside the server's adapter roots)."""
+    good = os.path.join(tiny_assets, "adapters", "adapter-000-r8")
+    target = os.path.join(outside, "file-link-target")
+    shutil.copytree(good, target)
+    path = os.path.join(out, "file-link")
+    shutil.copytree(good, path)
+    weights = os.path.join(path, "adapter_model.safetensors")
+    os.remove(weights)
+    os.symlink(os.path.join(target, "adapter_model.safetensors"), weights)
     return path

@@ -18,7 +18,14 @@ from vllm_loraserve.adapters.peft import inspect_adapter
 from vllm_loraserve.frontend import errors
 from vllm_loraserve.paging.model import model_layout
 
-from .bad_adapters import EXPECTED_REASONS, INF_WEIGHTS, build_bad_adapters, build_inf_weights
+from .bad_adapters import (
+    EXPECTED_REASONS,
+    INF_WEIGHTS,
+    build_bad_adapters,
+    build_file_link,
+    build_huge_alpha,
+    build_inf_weights,
+)
 from .reference import HFReference, Request, mismatches
 from .server import metric_samples, vllm_server
 
@@ -52,6 +59,7 @@ def server(tiny_assets, victims, tmp_path_factory, runtime_root):
     bad = tmp_path_factory.mktemp("bad")
     build_bad_adapters(tiny_assets, str(bad))
     build_inf_weights(tiny_assets, str(bad))
+    build_file_link(tiny_assets, str(bad), str(tmp_path_factory.mktemp("outside")))
     adapters = os.path.join(tiny_assets, "adapters")
     # One vLLM slot; 48 KV pages (47 usable) and an 8 MiB host tier hold a few
     # of the adapters at a time, so residency moves with use.
@@ -166,13 +174,18 @@ def test_concurrent_adapters_with_one_vllm_slot_match_hf_peft(server, tiny_asset
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("name", [*EXPECTED_REASONS, "static-bad"])
+# Adapters the server's start-up finds invalid besides EXPECTED_REASONS.
+OTHER_REASONS = {"static-bad": "rank 256",
+                 "file-link": "its file 'adapter_model.safetensors' resolves to"}
+
+
+@pytest.mark.parametrize("name", [*EXPECTED_REASONS, *OTHER_REASONS])
 def test_bad_adapter_gets_400_with_reason_and_others_keep_serving(server, name):
     r = _complete(server, name)
     assert r.status_code == 400
     message = r.json()["error"]["message"]
     assert f"LoRA adapter '{name}' cannot be served" in message
-    assert EXPECTED_REASONS.get(name, "rank 256") in message
+    assert {**EXPECTED_REASONS, **OTHER_REASONS}[name] in message
     assert _complete(server, "adapter-001-r16").status_code == 200
     assert _complete(server, BASE).status_code == 200
 
@@ -321,8 +334,9 @@ def test_failed_runtime_loads_do_not_accumulate(server, tiny_assets, runtime_roo
     for i, name in enumerate(sorted(EXPECTED_REASONS) * 3):
         r = httpx.post(f"{server}/v1/load_lora_adapter",
                        json={"lora_name": f"fail-{i}", "lora_path": str(bad / name)})
-        assert r.status_code == 400, r.text
+        assert r.status_code == 400 and EXPECTED_REASONS[name] in r.text, r.text
     assert _adapters(server).keys() == before.keys()
+    assert _complete(server, "adapter-001-r16").status_code == 200
 
 
 def test_refused_duplicate_load_keeps_the_served_entry(server, tiny_assets):
@@ -343,8 +357,10 @@ def test_load_outside_the_roots_is_403(server, tiny_assets, runtime_root, tmp_pa
     outside = tmp_path / "outside"
     shutil.copytree(os.path.join(tiny_assets, "adapters", "adapter-000-r8"), outside)
     os.symlink(outside, runtime_root / "link-out")
+    # an adapter inside the roots whose weights file is a symlink out of them
+    file_link = build_file_link(tiny_assets, str(runtime_root), str(tmp_path))
     for path in (str(outside), f"{runtime_root}/../{tmp_path.name}/outside",
-                 str(runtime_root / "link-out"), "/etc"):
+                 str(runtime_root / "link-out"), "/etc", file_link):
         r = httpx.post(f"{server}/v1/load_lora_adapter",
                        json={"lora_name": "escape", "lora_path": path})
         assert r.status_code == 403, (path, r.text)
@@ -384,6 +400,12 @@ def test_non_finite_adapters_are_400(server, tiny_assets, runtime_root):
     r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "inf-rt",
                                                           "lora_path": inf})
     assert r.status_code == 400 and "non-finite values" in r.json()["error"]["message"]
+    # finite, but B * scaling overflows the serving dtype
+    huge = build_huge_alpha(tiny_assets, str(runtime_root))
+    r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "huge-rt",
+                                                          "lora_path": huge})
+    assert r.status_code == 400, r.text
+    assert "the largest value of the serving dtype" in r.json()["error"]["message"]
     # the directory adapter: its first request reads the tensors
     r = _complete(server, INF_WEIGHTS)
     assert r.status_code == 400 and "non-finite values" in r.json()["error"]["message"]

@@ -25,7 +25,7 @@ def _catalog():
         calls.append(1)
         return MODEL
 
-    return AdapterCatalog(fetch), calls
+    return AdapterCatalog(fetch, torch.finfo(torch.bfloat16).max), calls
 
 
 def test_admit_valid_and_invalid(tmp_path):
@@ -105,3 +105,21 @@ def test_directory_adapter_weights_are_read_on_first_use(tmp_path):
     assert cat.entries["n"].spec is None and cat.invalid_reason("n") == bad
     assert cat.entries["ok"].weights_checked
 
+
+
+def test_scaling_is_checked_in_the_serving_dtype(tmp_path):
+    """B * scaling must be finite in the dtype the catalogue was made for:
+    alpha 1e6 is fine in bf16, refused by an fp16 server."""
+    path = str(tmp_path / "a")
+    w = {"model.layers.0.self_attn.q_proj": (torch.ones(4, 8), torch.ones(8, 4))}
+    write_adapter(path, w, rank=4, alpha=1e6, base_model="b")
+
+    async def fetch():
+        return MODEL
+
+    for dtype, error in ((torch.bfloat16, None), (torch.float16, "is above 6.55e+04")):
+        cat = AdapterCatalog(fetch, torch.finfo(dtype).max)
+        entry = asyncio.run(cat.inspect("a", path, "runtime", read_weights=True))
+        assert entry.error is None if error is None else error in entry.error
+        asyncio.run(cat.admit("a", path, "adapter-dir"))  # a directory's: on first use
+        assert asyncio.run(cat.check_weights("a")) == entry.error

@@ -12,6 +12,12 @@ cataloguing thousands of adapters costs no tensor reads; `check_finite_weights`
 reads the tensors, once per adapter before its first use. `check_against_model`
 compares the result with what the served model accepts. Both raise or return
 messages written for the person who sent the adapter.
+
+Every failure to read or parse an adapter's files is an `AdapterError` (the
+parsers also raise RecursionError, UnicodeDecodeError, OverflowError, ...):
+one bad adapter is that adapter's problem, never its caller's. Whether the
+files may be read at all (symlinks out of the adapter roots) is decided by
+the callers that know the roots (adapters/safety.py).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import reprlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +37,15 @@ _PREFIX = "base_model.model."
 _KINDS = {"lora_A": "A", "lora_B": "B", "lora_embedding_A": "A", "lora_embedding_B": "B"}
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1,
                 "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
+# A PEFT config is a few KB; a safetensors header is bounded as the
+# safetensors library bounds it (MAX_HEADER_SIZE), so a length field or a
+# file of gigabytes costs no more than this much memory.
+MAX_CONFIG_BYTES = 16 << 20
+MAX_HEADER_BYTES = 100_000_000
+# Values from a file shown in messages: nesting and length cut short.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 60, 60
+_show = _REPR.repr
 
 
 class AdapterError(ValueError):
@@ -74,30 +90,58 @@ def short_name(module_path: str) -> str:
     return module_path.rsplit(".", 1)[-1]
 
 
+def _parse_json(data: bytes, what: str) -> Any:
+    """JSON from an adapter file. The parser fails with more than ValueError
+    (RecursionError for deep nesting, MemoryError): all are this file's
+    AdapterError."""
+    try:
+        return json.loads(data)
+    except Exception as e:
+        raise AdapterError(f"{what} is not valid JSON: {type(e).__name__}: {e}") from None
+
+
 def _read_config(path: str) -> dict[str, Any]:
     cfg_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(cfg_path):
+    if not os.path.lexists(cfg_path):
         raise AdapterError(f"{CONFIG_FILE} is missing in {path}")
     try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise AdapterError(f"{CONFIG_FILE} in {path} is not valid JSON: {e}") from None
+        with open(cfg_path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:  # a directory, a dangling symlink, no permission
+        raise AdapterError(f"{CONFIG_FILE} in {path} is unreadable: {e}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise AdapterError(f"{CONFIG_FILE} in {path} is larger than {MAX_CONFIG_BYTES} bytes")
+    cfg = _parse_json(data, f"{CONFIG_FILE} in {path}")
     if not isinstance(cfg, dict):
         raise AdapterError(f"{CONFIG_FILE} in {path} must hold a JSON object")
     return cfg
 
 
+def _finite(x: Any) -> float | None:
+    """`x` as a float if it is a finite JSON number (not a bool), else None;
+    an integer too large for a float (`1` and 400 zeros) is not finite."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    try:
+        f = float(x)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 def _check_config(cfg: dict[str, Any]) -> tuple[int, float, bool]:
     problems = []
     peft_type = cfg.get("peft_type", "LORA")
-    if str(peft_type).upper() != "LORA":
-        problems.append(f"peft_type is {peft_type!r}, only LORA adapters are served")
+    if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
+        problems.append(f"peft_type is {_show(peft_type)}, only LORA adapters are served")
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
-        problems.append(f"'r' must be a positive integer, got {r!r}")
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        problems.append(f"'lora_alpha' must be a finite number, got {alpha!r}")
+        problems.append(f"'r' must be a positive integer, got {_show(r)}")
+    if _finite(alpha) is None:
+        problems.append(f"'lora_alpha' must be a finite number, got {_show(alpha)}")
+    base = cfg.get("base_model_name_or_path")
+    if base is not None and not isinstance(base, str):
+        problems.append(f"'base_model_name_or_path' must be a string, got {_show(base)}")
     if cfg.get("use_dora"):
         problems.append("DoRA adapters (use_dora) are not supported by vLLM")
     if cfg.get("modules_to_save"):
@@ -134,12 +178,7 @@ def _tensor_shapes(path: str) -> tuple[dict[str, tuple[list[int], str]], int]:
         size = sum(math.prod(shape) * _DTYPE_BYTES[dt] for shape, dt in shapes.values())
         return shapes, size
     if os.path.isfile(bin_path):
-        import torch
-
-        try:
-            state = torch.load(bin_path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:
-            raise AdapterError(f"{BIN_FILE} in {path} is unreadable: {e}") from None
+        state = _load_bin(path)
         shapes = {k: (list(v.shape), str(v.dtype)) for k, v in state.items()}
         return shapes, sum(v.numel() * v.element_size() for v in state.values())
     raise AdapterError(f"no {SAFETENSORS_FILE} (or {BIN_FILE}) in {path}")
@@ -152,33 +191,64 @@ def _split_key(key: str) -> tuple[str, str]:
     return module, kind
 
 
-def _read_tensors(path: str) -> dict[str, Any]:
-    """Every tensor of an adapter directory's weights file, on the CPU."""
+def _load_bin(path: str) -> dict[str, Any]:
+    """The tensors of an adapter directory's adapter_model.bin: a pickle may
+    hold anything, so anything but a dict of named tensors is refused."""
     import torch
 
-    st_path = os.path.join(path, SAFETENSORS_FILE)
     try:
-        if os.path.isfile(st_path):
-            from safetensors.torch import load_file
+        state = torch.load(os.path.join(path, BIN_FILE), map_location="cpu", weights_only=True,
+                           mmap=True)
+    except Exception as e:  # torch raises its own and pickle's error types
+        raise AdapterError(f"the adapter weights in {path} are unreadable: {BIN_FILE}: "
+                           f"{e}") from None
+    if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise AdapterError(f"the adapter weights in {path} are unreadable: {BIN_FILE} does "
+                           "not hold a dict of named tensors")
+    return state
 
-            return load_file(st_path)
-        return torch.load(os.path.join(path, BIN_FILE), map_location="cpu", weights_only=True,
-                          mmap=True)
-    except Exception as e:  # the libraries raise their own error types
+
+def _read_tensors(path: str) -> dict[str, Any]:
+    """Every tensor of an adapter directory's weights file, on the CPU."""
+    st_path = os.path.join(path, SAFETENSORS_FILE)
+    if not os.path.isfile(st_path):
+        return _load_bin(path)
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(st_path)
+    except Exception as e:  # the library raises its own error types
         raise AdapterError(f"the adapter weights in {path} are unreadable: {e}") from None
 
 
-def check_finite_weights(path: str) -> None:
-    """Raise AdapterError naming the first tensor that holds NaN or Inf.
+def check_finite_weights(spec: PeftSpec, max_value: float) -> None:
+    """Raise AdapterError naming the first tensor that holds NaN or Inf, or
+    saying that the adapter's scaling overflows the serving dtype, whose
+    largest finite value is `max_value` (`torch.finfo(dtype).max`): the pool
+    folds the scaling into B (paging/layout.py `pack_layers`, vLLM's
+    `LoRALayerWeights.optimize` likewise), so scaling * max|B| must be finite
+    in that dtype, and so must the scaling itself.
 
     Reads every tensor (unlike `inspect_adapter`): callers run it off the
     event loop, once per adapter version."""
     import torch
 
-    bad = next((k for k, t in _read_tensors(path).items()
-                if not bool(torch.isfinite(t).all())), None)
-    if bad is not None:
-        raise AdapterError(f"tensor {bad!r} holds non-finite values (NaN or Inf)")
+    scale = f"scaling {spec.scaling:.4g} (lora_alpha {spec.alpha:.4g} / " + \
+        (f"sqrt(r={spec.rank}), rsLoRA)" if spec.use_rslora else f"r={spec.rank})")
+    if spec.scaling > max_value:
+        raise AdapterError(f"{scale} is above {max_value:.4g}, the largest value of the "
+                           "serving dtype")
+    max_b = 0.0
+    for key, t in _read_tensors(spec.path).items():
+        if not bool(torch.isfinite(t).all()):
+            raise AdapterError(f"tensor {key!r} holds non-finite values (NaN or Inf)")
+        if _KINDS.get(_split_key(key)[1]) == "B" and t.numel():
+            max_b = max(max_b, float(t.abs().max()))
+    if spec.scaling * max_b > max_value:
+        raise AdapterError(f"{scale} times the largest |lora_B| weight {max_b:.4g} is "
+                           f"{spec.scaling * max_b:.4g}, above {max_value:.4g}, the largest "
+                           "value of the serving dtype: lora_alpha is too large")
 
 
 def inspect_adapter(path: str) -> PeftSpec:
@@ -283,15 +353,38 @@ def _view(data: Any, t: RawTensor) -> Any:
     return chunk.view(t.dtype).view(t.shape)
 
 
-def _safetensors_index(st_path: str) -> tuple[int, int, dict[str, tuple[int, list[int], str]]]:
+def _safetensors_index(st_path: str, path: str
+                       ) -> tuple[int, int, dict[str, tuple[int, list[int], str]]]:
     """(data start, data size, key -> (offset, shape, dtype)) from the
-    file's header: an 8-byte little-endian length, then that much JSON."""
+    file's header: an 8-byte little-endian length, then that much JSON. Each
+    entry is checked (the file may have changed since it was inspected): its
+    bytes match its shape and lie in the data."""
+    what = f"{SAFETENSORS_FILE} in {path}"
     with open(st_path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
         n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        size = os.fstat(f.fileno()).st_size - 8 - n
-    index = {k: (v["data_offsets"][0], v["shape"], v["dtype"]) for k, v in header.items()
-             if k != "__metadata__"}
+        if file_size < 8 or n > min(MAX_HEADER_BYTES, file_size - 8):
+            raise AdapterError(f"{what} is unreadable: its header length {n} does not fit "
+                               f"the file ({file_size} bytes; at most {MAX_HEADER_BYTES})")
+        header = _parse_json(f.read(n), f"the header of {what}")
+    if not isinstance(header, dict):
+        raise AdapterError(f"{what} is unreadable: its header is not a JSON object")
+    size = file_size - 8 - n
+    index = {}
+    for key, v in header.items():
+        if key == "__metadata__":
+            continue
+        entry = v if isinstance(v, dict) else {}
+        dt, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not (dt in _DTYPE_BYTES and isinstance(shape, list) and isinstance(offsets, list)
+                and len(offsets) == 2 and all(isinstance(d, int) and not isinstance(d, bool)
+                                              and d >= 0 for d in [*shape, *offsets])
+                and offsets[0] + math.prod(shape) * _DTYPE_BYTES[dt] == offsets[1]):
+            raise AdapterError(f"{what} is unreadable: the header's entry for {_show(key)} "
+                               f"is not a tensor: {_show(v)}")
+        if offsets[1] > size:  # inspect_adapter's read of the header found it in the data
+            raise AdapterError(f"the adapter weights in {path} changed while being read")
+        index[key] = (offsets[0], shape, dt)
     return 8 + n, size, index
 
 
@@ -308,14 +401,14 @@ def read_weights(path: str, alloc: Any) -> tuple[PeftSpec, RawWeights]:
     refs: dict[str, dict[str, RawTensor]] = {}
     if os.path.isfile(st_path):
         try:
-            start, size, index = _safetensors_index(st_path)
+            start, size, index = _safetensors_index(st_path, spec.path)
             data = alloc(size)
             with open(st_path, "rb") as f:
                 f.seek(start)
                 view, got = memoryview(data.numpy()), 0
                 while got < size and (n := f.readinto(view[got:])):
                     got += n
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except OSError as e:
             raise AdapterError(f"{SAFETENSORS_FILE} in {spec.path} is unreadable: {e}") from None
         if got != size:
             raise AdapterError(f"the adapter weights in {spec.path} changed while being read")
@@ -340,9 +433,7 @@ def read_weights(path: str, alloc: Any) -> tuple[PeftSpec, RawWeights]:
     modules = {m: (ab["A"], ab["B"]) for m, ab in refs.items() if set(ab) == {"A", "B"}}
     if modules.keys() != spec.modules.keys() or any(
             (a.shape, b.shape) != ((s.rank, s.in_features), (s.out_features, s.rank))
-            for m, s in spec.modules.items() for a, b in [modules[m]]) or \
-            any(t.offset + math.prod(t.shape) * t.dtype.itemsize > size
-                for ab in modules.values() for t in ab):
+            for m, s in spec.modules.items() for a, b in [modules[m]]):
         raise AdapterError(f"the adapter weights in {spec.path} changed while being read")
     return spec, RawWeights(data, modules)
 

@@ -10,7 +10,9 @@ plugin server and the router alike:
   characters (so no path separator, `..` or control character), and not a
   served base model's name;
 - a path must resolve (symlinks and `..` followed) inside one of the
-  configured adapter roots.
+  configured adapter roots, and so must every file and directory in it
+  (`resolve_adapter_under_roots`): a symlinked file would otherwise be read,
+  or copied to other engines, from anywhere.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ def alias_of(name: str) -> str:
     return name.partition("@")[0]
 
 
+def _inside(real: str, roots: Collection[str]) -> bool:
+    return any(os.path.commonpath([real, root]) == root for root in map(os.path.realpath, roots))
+
+
 def resolve_under_roots(path: str, roots: Collection[str]) -> str:
     """The real path of `path` if it lies inside one of `roots` (each
     resolved too), else PathOutsideRoots naming the roots."""
@@ -57,9 +63,38 @@ def resolve_under_roots(path: str, roots: Collection[str]) -> str:
             f"adapter path {path!r} refused: no adapter root is configured for loads over "
             "HTTP (--loraserve-adapter-dir or --loraserve-allowed-root)")
     real = os.path.realpath(path)
-    for root in roots:
-        root = os.path.realpath(root)
-        if os.path.commonpath([real, root]) == root:
-            return real
-    raise PathOutsideRoots(f"adapter path {path!r} (resolved: {real}) is outside the adapter "
-                           f"roots {sorted(roots)}")
+    if not _inside(real, roots):
+        raise PathOutsideRoots(f"adapter path {path!r} (resolved: {real}) is outside the "
+                               f"adapter roots {sorted(roots)}")
+    return real
+
+
+def resolve_adapter_under_roots(path: str, roots: Collection[str]) -> str:
+    """The real path of the adapter directory `path` if it and everything in
+    it (walked through symlinked directories, each once) resolve inside one of
+    `roots`, else PathOutsideRoots naming the first entry that does not, by
+    its path inside the adapter (vLLM's HTTP errors hide absolute paths). The
+    one check for every place that reads or copies an adapter's files with
+    the roots known (frontend/serving.py, adapters/directory.py,
+    cluster/http.py, cluster/sources.py, cluster/store.py)."""
+    real = resolve_under_roots(path, roots)
+    todo, seen = [(real, "")], {real}
+    while todo:
+        top, prefix = todo.pop()
+        try:
+            with os.scandir(top) as it:
+                entries = list(it)
+        except OSError as e:  # what cannot be listed cannot be checked
+            raise PathOutsideRoots(f"adapter path {path!r} refused: its directory "
+                                   f"{prefix or '.'!r} cannot be listed to check its files: "
+                                   f"{e.strerror}") from None
+        for entry in entries:
+            rel, target = os.path.join(prefix, entry.name), os.path.realpath(entry.path)
+            if not _inside(target, roots):
+                raise PathOutsideRoots(f"adapter path {path!r} refused: its file {rel!r} "
+                                       f"resolves to {target}, outside the adapter roots "
+                                       f"{sorted(roots)}")
+            if entry.is_dir() and target not in seen:
+                seen.add(target)
+                todo.append((target, rel))
+    return real

@@ -42,7 +42,11 @@ from vllm_loraserve.adapters.peft import (
     inspect_adapter,
 )
 from vllm_loraserve.adapters.record import AdapterRecord
-from vllm_loraserve.adapters.safety import PathOutsideRoots, check_name, resolve_under_roots
+from vllm_loraserve.adapters.safety import (
+    PathOutsideRoots,
+    check_name,
+    resolve_adapter_under_roots,
+)
 from vllm_loraserve.cluster.placement import check_assignment
 from vllm_loraserve.cluster.router import RouterCore
 
@@ -107,9 +111,14 @@ class _Unauthorized(Exception):
 
 
 def _read_adapter(path: str) -> PeftSpec:
-    """Header checks, then every tensor (NaN/Inf): blocking, run in a thread."""
+    """Header checks, then every tensor (NaN/Inf): blocking, run in a thread.
+    The router does not know the engines' dtype: the scaling is checked
+    against bf16's range (float32's too), and each engine checks it again,
+    in its own dtype, when it loads the adapter."""
+    import torch
+
     spec = inspect_adapter(path)
-    check_finite_weights(spec.path)
+    check_finite_weights(spec, torch.finfo(torch.bfloat16).max)
     return spec
 
 
@@ -310,7 +319,7 @@ def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float 
         if name in core.catalog:
             return _error(409, f"adapter `{name}` is already registered", "ConflictError")
         try:
-            real = resolve_under_roots(path, adapter_roots)
+            real = resolve_adapter_under_roots(path, adapter_roots)
         except PathOutsideRoots as e:
             return _error(403, str(e), "PermissionDenied")
         try:

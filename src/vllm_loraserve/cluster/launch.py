@@ -136,6 +136,7 @@ class RouterActor:
         import ray
         import uvicorn
 
+        from vllm_loraserve.adapters.directory import invalid_lines
         from vllm_loraserve.cluster.http import build_app
         from vllm_loraserve.cluster.router import RouterConfig, RouterCore
         from vllm_loraserve.cluster.sources import LocalDirSource
@@ -145,8 +146,10 @@ class RouterActor:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s")
         logging.getLogger("vllm.vllm_loraserve").setLevel(logging.INFO)
         valid, invalid = LocalDirSource(source_location).scan()
-        for name, reason in invalid.items():
-            logger.error("adapter %s is not served: %s", name, reason)
+        logger.info("adapters in %s: %d ready, %d invalid", source_location, len(valid),
+                    len(invalid))
+        for line in invalid_lines(invalid):
+            logger.error("%s", line)
         catalog = {e.name: e.rank for e in valid}
         if not catalog:
             logger.warning("no servable adapter in %s: only the base model is served",

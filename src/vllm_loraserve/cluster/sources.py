@@ -12,6 +12,7 @@ from typing import Protocol
 
 from vllm_loraserve.adapters.directory import scan_adapter_dirs
 from vllm_loraserve.adapters.record import AdapterRecord
+from vllm_loraserve.adapters.safety import resolve_adapter_under_roots
 from vllm_loraserve.cluster.store import AdapterStore, check_name
 
 
@@ -41,7 +42,8 @@ class LocalDirSource:
         for root in self.roots:
             path = os.path.join(root, check_name(adapter))
             if os.path.isdir(path):
-                store.copy_in(adapter, path)
+                # checked at the scan too, but the files may have changed since
+                store.copy_in(adapter, resolve_adapter_under_roots(path, self.roots))
                 return
         raise KeyError(f"no adapter {adapter!r} in {self.roots}")
 

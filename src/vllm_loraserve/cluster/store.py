@@ -3,7 +3,8 @@ directories under one root (LoRAServe's per-engine share of the distributed
 adapter pool). vLLM loads from here; peers fetch from here.
 
 Invariant: a name is a plain directory name (no separators, adapters/safety.py),
-so a name from the network can never address a path outside the root.
+so a name from the network can never address a path outside the root, and
+an adapter whose files resolve outside the root (a symlink) is never sent.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import shutil
 import tarfile
 
-from vllm_loraserve.adapters.safety import check_name
+from vllm_loraserve.adapters.safety import check_name, resolve_adapter_under_roots
 
 
 class AdapterStore:
@@ -34,9 +35,10 @@ class AdapterStore:
         """The adapter's files as an uncompressed tar (safetensors do not compress)."""
         if not self.has(name):
             raise KeyError(f"adapter {name!r} is not in this store")
+        path = resolve_adapter_under_roots(self.path(name), [self.root])
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tf:
-            tf.add(self.path(name), arcname=name)
+            tf.add(path, arcname=name)
         return buf.getvalue()
 
     def put_tar(self, name: str, data: bytes) -> None:

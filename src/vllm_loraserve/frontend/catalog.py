@@ -4,8 +4,9 @@ Adapters come from `--lora-modules`, `--loraserve-adapter-dir` and runtime
 `/v1/load_lora_adapter` calls. Each is inspected (config and safetensors
 header only) and checked against the served model *before* its name becomes
 routable: vLLM reads adapters inside the engine step, where a bad one takes
-the whole engine down. Its tensors are read once for NaN/Inf: at a runtime or
-`--lora-modules` load, or on the first request for a directory adapter.
+the whole engine down. Its tensors are read once for NaN/Inf and for a
+scaling that overflows the serving dtype: at a runtime or `--lora-modules`
+load, or on the first request for a directory adapter.
 Invalid configured adapters stay in the catalogue with the reason, so
 requests naming them get a 4xx that says what is wrong; a refused runtime
 load only gets its 4xx.
@@ -75,8 +76,12 @@ class AdapterCatalog:
     and what runtime loads made servable; a refused runtime load is answered
     with its reason and leaves no entry (so nothing grows with bad requests)."""
 
-    def __init__(self, fetch_model_info: Callable[[], Awaitable[ModelLoRAInfo]]) -> None:
+    def __init__(self, fetch_model_info: Callable[[], Awaitable[ModelLoRAInfo]],
+                 max_weight: float) -> None:
+        """`max_weight`: the largest finite value of the serving dtype, which
+        B * scaling must not exceed (`check_finite_weights`)."""
         self._fetch_model_info = fetch_model_info
+        self._max_weight = max_weight
         self._model_info: ModelLoRAInfo | None = None
         self.entries: dict[str, AdapterEntry] = {}
         self._names_by_id: dict[int, str] = {}
@@ -93,13 +98,14 @@ class AdapterCatalog:
     async def inspect(self, name: str, path: str, source: str,
                       read_weights: bool = False) -> AdapterEntry:
         """Inspect and check an adapter against the model; nothing is recorded.
-        `read_weights`: also read every tensor for NaN/Inf (in a thread)."""
+        `read_weights`: also read every tensor for NaN/Inf and the scaling's
+        overflow (in a thread)."""
         entry = AdapterEntry(name=name, path=os.path.abspath(path), source=source)
         try:
             spec = inspect_adapter(path)
             check_against_model(spec, await self.model_info())
             if read_weights:
-                await asyncio.to_thread(check_finite_weights, spec.path)
+                await asyncio.to_thread(check_finite_weights, spec, self._max_weight)
                 entry.weights_checked = True
             entry.spec = spec
         except AdapterError as e:
@@ -133,7 +139,7 @@ class AdapterCatalog:
         check = self._weight_checks.get(name)
         if check is None:  # one read per adapter version, shared by concurrent requests
             check = asyncio.ensure_future(asyncio.to_thread(check_finite_weights,
-                                                            entry.spec.path))
+                                                            entry.spec, self._max_weight))
             self._weight_checks[name] = check
         try:
             await asyncio.shield(check)

@@ -6,12 +6,13 @@ With the plugin active:
 - every adapter is inspected and checked against the model before vLLM sees
   it (`AdapterCatalog.inspect`); a bad one is refused with HTTP 400 and a
   reason instead of failing start-up (static `--lora-modules`) or the engine
-  step; its tensors are read once for NaN/Inf (directory adapters: on their
-  first request);
+  step; its tensors are read once for NaN/Inf and for a scaling that
+  overflows the serving dtype (directory adapters: on their first request);
 - names must be safe identifiers and not a served model's name (400), and a
-  runtime `/v1/load_lora_adapter` path must lie inside the adapter roots
-  (`--loraserve-adapter-dir`, `--loraserve-allowed-root`), else 403
-  (adapters/safety.py);
+  runtime `/v1/load_lora_adapter` path, and every file in it, must lie inside
+  the adapter roots (`--loraserve-adapter-dir`, `--loraserve-allowed-root`),
+  else 403 (adapters/safety.py); an adapter directory's adapters likewise,
+  inside the adapter directories, else they are listed invalid;
 - `--loraserve-adapter-dir` adapters are registered by name without loading:
   the worker reads each from disk on its first request;
 - requests naming an invalid adapter get HTTP 400 with the reason; unknown
@@ -37,22 +38,23 @@ With the plugin active:
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from http import HTTPStatus
 from typing import Any
 
 from vllm_loraserve._patching import wrap
-from vllm_loraserve.adapters.directory import scan_adapter_dir
+from vllm_loraserve.adapters.directory import invalid_lines, scan_adapter_dir
 from vllm_loraserve.adapters.peft import ModelLoRAInfo
 from vllm_loraserve.adapters.safety import (
     PathOutsideRoots,
     alias_of,
     check_name,
-    resolve_under_roots,
+    resolve_adapter_under_roots,
 )
 from vllm_loraserve.config import from_vllm_config
 from vllm_loraserve.frontend import errors
-from vllm_loraserve.frontend.catalog import AdapterCatalog
+from vllm_loraserve.frontend.catalog import AdapterCatalog, AdapterEntry
 
 logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
 
@@ -86,13 +88,18 @@ def _reserved_names(models: Any) -> set[str]:
 
 
 def _make_catalog(models: Any) -> AdapterCatalog:
+    import torch
+
     engine_client = models.engine_client
 
     async def fetch() -> ModelLoRAInfo:
         raw = (await engine_client.collective_rpc("loraserve_lora_modules"))[0]
         return ModelLoRAInfo.from_wire(raw, engine_client.vllm_config.lora_config.max_lora_rank)
 
-    catalog = AdapterCatalog(fetch)
+    # The dtype the pool and vLLM hold B * scaling in (VllmConfig resolved
+    # "auto" to the model's dtype: LoRAConfig.verify_with_model_config).
+    lora_dtype = engine_client.vllm_config.lora_config.lora_dtype
+    catalog = AdapterCatalog(fetch, torch.finfo(lora_dtype).max)
     _CATALOGS.add(catalog)
     return catalog
 
@@ -134,7 +141,8 @@ def _make_load_lora_adapter(load_lora_adapter):
             # Paths from the network: only inside the configured roots.
             cfg = from_vllm_config(self.engine_client.vllm_config)
             try:
-                resolve_under_roots(request.lora_path, [*cfg.adapter_dirs, *cfg.allowed_roots])
+                resolve_adapter_under_roots(request.lora_path,
+                                            [*cfg.adapter_dirs, *cfg.allowed_roots])
             except PathOutsideRoots as e:
                 return _error(f"LoRA adapter '{name}' refused: {e}", "PermissionDenied",
                               HTTPStatus.FORBIDDEN, "lora_path")
@@ -202,7 +210,8 @@ def _make_init_static_loras(init_static_loras):
                                              is_3d_lora_weight=lora.is_3d_lora_weight)
             result = await self.load_lora_adapter(request, lora.base_model_name,
                                                   loraserve_source="lora-modules")
-            if isinstance(result, ErrorResponse):
+            # One the catalogue lists invalid is logged with the others below.
+            if isinstance(result, ErrorResponse) and catalog.invalid_reason(lora.name) is None:
                 logger.error("%s (other adapters keep serving)", result.error.message)
         reserved = _reserved_names(self)
         for root in cfg.adapter_dirs:
@@ -216,17 +225,24 @@ def _make_init_static_loras(init_static_loras):
                     logger.warning("adapter name '%s' in %s is already taken by %s; skipped",
                                    name, root, catalog.entries[name].path)
                     continue
+                try:
+                    resolve_adapter_under_roots(path, cfg.adapter_dirs)
+                except PathOutsideRoots as e:
+                    catalog.record(AdapterEntry(name, os.path.abspath(path), "adapter-dir",
+                                                error=str(e)))
+                    continue
                 entry = await catalog.admit(name, path, "adapter-dir")
                 if entry.error is not None:
-                    logger.error("LoRA adapter '%s' cannot be served: %s", name, entry.error)
                     continue
                 lora_int_id = self.lora_id_counter.inc(1)
                 self.lora_requests[name] = LoRARequest(
                     lora_name=name, lora_int_id=lora_int_id, lora_path=entry.path)
                 catalog.bind(name, lora_int_id)
-        counts = catalog.counts()
+        invalid = {n: e.error for n, e in catalog.entries.items() if e.error is not None}
         logger.info("vllm-loraserve catalogue: %d adapters ready, %d invalid",
-                    len(catalog.entries) - counts["invalid"], counts["invalid"])
+                    len(catalog.entries) - len(invalid), len(invalid))
+        for line in invalid_lines(invalid):
+            logger.error("%s", line)
 
     return patched
 

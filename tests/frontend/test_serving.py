@@ -1,0 +1,101 @@
+"""The API-server patches of frontend/serving.py, on a stand-in for vLLM's
+adapter registry (`OpenAIServingModels`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from types import SimpleNamespace
+
+import torch
+
+from vllm_loraserve.adapters.directory import MAX_LOGGED_INVALID
+from vllm_loraserve.adapters.peft import write_adapter
+from vllm_loraserve.frontend import serving
+from vllm_loraserve.frontend.serving import catalog_of
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def inc(self, k: int) -> int:
+        self.n += k
+        return self.n
+
+
+def _models(adapter_dirs):
+    async def collective_rpc(method):
+        assert method == "loraserve_lora_modules"
+        return [{"q_proj": [(8, 8)]}]
+
+    vllm_config = SimpleNamespace(
+        additional_config={"loraserve": {"adapter_dirs": [str(d) for d in adapter_dirs]}},
+        lora_config=SimpleNamespace(max_lora_rank=8, lora_dtype=torch.bfloat16))
+    return SimpleNamespace(
+        engine_client=SimpleNamespace(vllm_config=vllm_config, collective_rpc=collective_rpc),
+        static_lora_modules=[], base_model_paths=[SimpleNamespace(name="base")],
+        lora_id_counter=_Counter(), lora_requests={})
+
+
+def _adapter(path, rank=4):
+    w = {"model.layers.0.self_attn.q_proj": (torch.ones(rank, 8), torch.ones(8, rank))}
+    write_adapter(str(path), w, rank=rank, alpha=2 * rank, base_model="b")
+
+
+def _start(models, caplog):
+    async def unpatched(self):
+        raise AssertionError("the plugin's start-up runs instead")
+
+    # vLLM's logger does not propagate to the root logger that caplog
+    # listens on (unless an earlier test configured logging): listen on it,
+    # once vLLM's logging set-up (at its first import) has cleared the
+    # handlers of the vllm.* loggers.
+    import vllm.logger  # noqa: F401
+
+    serving.logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger=serving.logger.name):
+            asyncio.run(serving._make_init_static_loras(unpatched)(models))
+    finally:
+        serving.logger.removeHandler(caplog.handler)
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_start_up_logs_each_invalid_adapter_with_its_reason_capped(tmp_path, caplog):
+    """'N ready, M invalid', then one line per invalid adapter naming it and
+    why, at most MAX_LOGGED_INVALID, then a count of the rest; a malformed
+    config (nested too deep for the JSON parser) or a file symlinked out of
+    the adapter directory is one of them, and start-up goes on."""
+    root = tmp_path / "adapters"
+    for i in range(3):
+        _adapter(root / f"good-{i}")
+    n_bad = MAX_LOGGED_INVALID + 5
+    for i in range(n_bad - 2):
+        _adapter(root / f"big-{i:02}", rank=16)  # above the server's rank 8
+    _adapter(root / "a-deep")
+    (root / "a-deep" / "adapter_config.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    _adapter(tmp_path / "outside")
+    _adapter(root / "a-file-link")
+    os.remove(root / "a-file-link" / "adapter_model.safetensors")
+    os.symlink(tmp_path / "outside" / "adapter_model.safetensors",
+               root / "a-file-link" / "adapter_model.safetensors")
+    models = _models([root])
+    messages = _start(models, caplog)
+
+    assert f"vllm-loraserve catalogue: 3 adapters ready, {n_bad} invalid" in messages
+    named = [m for m in messages if m.startswith("adapter '")]
+    assert len(named) == MAX_LOGGED_INVALID
+    assert "adapter 'big-00' is not served: rank 16 is above this server's maximum LoRA " \
+        "rank 8 (--max-lora-rank)" in named
+    assert any(m.startswith("adapter 'a-deep' is not served: adapter_config.json in ")
+               and "not valid JSON: RecursionError" in m for m in named)
+    assert any(m.startswith("adapter 'a-file-link' is not served: ")
+               and "its file 'adapter_model.safetensors' resolves to" in m
+               and "outside the adapter roots" in m for m in named)
+    assert messages[-1] == "... and 5 more invalid adapters"
+    catalog = catalog_of(models)
+    assert sorted(models.lora_requests) == ["good-0", "good-1", "good-2"]
+    assert catalog.entries["a-file-link"].to_json()["status"] == "invalid"
+    assert catalog.counts()["invalid"] == n_bad
