@@ -68,8 +68,9 @@ def server_args(name: str, root: str) -> list[str]:
         link = os.path.join(served, a)
         if not os.path.lexists(link):
             os.symlink(os.path.join(root, "names", a), link)
+    # The served names are symlinks into root/names: a root adapters may resolve into.
     return [*LORA, "--max-loras", "1", "--plugin", "loraserve", "--loraserve-adapter-dir",
-            served]
+            served, "--loraserve-allowed-root", root]
 
 
 def model_map(name: str, catalog: str) -> dict[str, str]:

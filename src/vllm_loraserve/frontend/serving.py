@@ -225,8 +225,8 @@ def _make_init_static_loras(init_static_loras):
                     logger.warning("adapter name '%s' in %s is already taken by %s; skipped",
                                    name, root, catalog.entries[name].path)
                     continue
-                try:
-                    resolve_adapter_under_roots(path, cfg.adapter_dirs)
+                try:  # the roots a runtime load may read: a symlinked adapter may point there
+                    resolve_adapter_under_roots(path, [*cfg.adapter_dirs, *cfg.allowed_roots])
                 except PathOutsideRoots as e:
                     catalog.record(AdapterEntry(name, os.path.abspath(path), "adapter-dir",
                                                 error=str(e)))
