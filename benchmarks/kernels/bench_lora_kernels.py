@@ -49,14 +49,23 @@ from vllm_loraserve.kernels.batch import ModuleSlices, SlotTable, TokenBatch
 from vllm_loraserve.kernels.triton_mbgmm import Tiles, TritonBackend, expand_tiles, shrink_tiles
 from vllm_loraserve.paging.layout import LayerLayout, SliceSpec, pack_layer, write_pages
 
-HIDDEN, INTER = 4096, 11008
-SLICES = (SliceSpec("q_proj", HIDDEN, HIDDEN), SliceSpec("k_proj", HIDDEN, HIDDEN),
-          SliceSpec("v_proj", HIDDEN, HIDDEN), SliceSpec("o_proj", HIDDEN, HIDDEN),
-          SliceSpec("gate_proj", HIDDEN, INTER), SliceSpec("up_proj", HIDDEN, INTER),
-          SliceSpec("down_proj", INTER, HIDDEN))
+# --shape: (hidden, intermediate, k/v heads); 32 query heads of 128 dims each.
+SHAPES = {"llama2-7b": (4096, 11008, 32), "llama3-8b": (4096, 14336, 8)}
+
+
+def slices(hidden: int, inter: int, kv_heads: int) -> tuple[SliceSpec, ...]:
+    kv = kv_heads * 128
+    return (SliceSpec("q_proj", hidden, hidden), SliceSpec("k_proj", hidden, kv),
+            SliceSpec("v_proj", hidden, kv), SliceSpec("o_proj", hidden, hidden),
+            SliceSpec("gate_proj", hidden, inter), SliceSpec("up_proj", hidden, inter),
+            SliceSpec("down_proj", inter, hidden))
+
+
+HIDDEN, INTER, KV_HEADS = SHAPES["llama2-7b"]  # main() rebinds these for --shape
+SLICES = slices(HIDDEN, INTER, KV_HEADS)
 MODULES = {"qkv": ["q_proj", "k_proj", "v_proj"], "o": ["o_proj"],
            "gate_up": ["gate_proj", "up_proj"], "down": ["down_proj"]}
-PAGE_SIZE = 2 * 16 * 32 * 128  # elements: one KV block of one Llama-2-7B layer
+PAGE_SIZE = 2 * 16 * KV_HEADS * 128  # elements: one KV block of one layer
 DECODE_T, PREFILL_T = (1, 8, 32, 128, 256), (512, 2048, 8192)
 MIXES = ("r8", "r16", "r32", "r64", "r128", "uniform", "skewed")
 DTYPE = torch.bfloat16
@@ -286,7 +295,13 @@ def main() -> None:
     p.add_argument("--tiles", help="tile sizes: a results JSON of an earlier --tune run")
     p.add_argument("--tokens", type=int, nargs="*", default=[*DECODE_T, *PREFILL_T])
     p.add_argument("--mixes", nargs="*", default=list(MIXES))
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b",
+                   help="layer shapes (llama3-8b: GQA k/v out 1024, intermediate 14336, and "
+                        "its smaller KV pages)")
     a = p.parse_args()
+    global HIDDEN, INTER, KV_HEADS, SLICES, PAGE_SIZE
+    HIDDEN, INTER, KV_HEADS = SHAPES[a.shape]
+    SLICES, PAGE_SIZE = slices(HIDDEN, INTER, KV_HEADS), 2 * 16 * KV_HEADS * 128
 
     def log(*msg):
         print(*msg, flush=True)
@@ -311,7 +326,7 @@ def main() -> None:
     result = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "vllm": vllm.__version__, "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"), "peak_copy_bytes_per_s": peak,
+        "date": time.strftime("%Y-%m-%d"), "peak_copy_bytes_per_s": peak, "shape": a.shape,
         "tiles": chosen or default_tiles(), "tuned": bool(a.tune), "rows": [],
     }
     rows = result["rows"]
