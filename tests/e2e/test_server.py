@@ -274,6 +274,7 @@ def test_adapters_broken_on_disk_after_their_checks_fail_alone(server, victims, 
     message = events[-1]["error"]["message"]
     assert "LoRA adapter 'late-unreadable' cannot be served" in message
     assert ENGINE_READ in message, message
+    assert "late-unreadable" not in _model_ids(server)  # registered, but not servable
     assert _complete(server, "adapter-001-r16").status_code == 200
     assert _complete(server, BASE).status_code == 200
     # Unloading the broken adapter clears its failure; its name can be reused.

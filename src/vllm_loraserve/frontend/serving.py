@@ -37,7 +37,8 @@ With the plugin active:
   with, later ones get the new one. Unloading the version the alias points
   to (or the plain adapter) moves it to the newest version left, or removes
   it. `/v1/models` lists
-  the alias under its own name (vLLM would list the version twice).
+  the alias under its own name (vLLM would list the version twice), and
+  only adapters that can be served.
 """
 
 from __future__ import annotations
@@ -295,12 +296,17 @@ def _make_show_available_models(show_available_models):
         if catalog_of(self) is None:
             return models
         # vLLM makes one card per lora_requests value, named by the request:
-        # an alias shares its version's request. One card per key instead.
+        # an alias shares its version's request. One card per key instead,
+        # and none for an adapter the engine failed (`note_engine_failure`:
+        # it stays registered, so that its unload clears the worker, but
+        # cannot be served).
+        catalog = catalog_of(self)
         loras = {r.lora_name for r in self.lora_requests.values()}
         template = {c.id: c for c in models.data if c.id in loras}
         models.data = [c for c in models.data if c.id not in loras] + [
             template[r.lora_name].model_copy(update={"id": name})
-            for name, r in self.lora_requests.items() if r.lora_name in template]
+            for name, r in self.lora_requests.items()
+            if r.lora_name in template and catalog.invalid_reason(r.lora_name) is None]
         return models
 
     return patched
