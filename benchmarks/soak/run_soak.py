@@ -5,6 +5,8 @@
 Defaults: 2,000 requests over 200 adapters (100 in an adapter directory,
 100 loaded and unloaded at runtime while the clients run), 16 concurrent
 clients, half of the requests streamed and a tenth of those left mid-stream.
+`--same-name-churn N` adds issue 22's race: N of the churned names also get
+a load, an in-place reload and an unload at the same moment, every pause.
 Prints the config and the figures, writes them as JSON, exits 1 if a pass
 criterion is missed (vllm_loraserve/bench/soak.py says which).
 """

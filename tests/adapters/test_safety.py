@@ -9,6 +9,7 @@ import pytest
 from vllm_loraserve.adapters.safety import (
     PathOutsideRoots,
     check_name,
+    check_not_alias,
     resolve_adapter_under_roots,
     resolve_under_roots,
 )
@@ -26,6 +27,8 @@ def test_safe_names(name):
     ("../etc", "invalid adapter name"),
     ("a\\b", "invalid adapter name"),
     ("bad\nname", "invalid adapter name"),
+    ("name\n", "invalid adapter name"),  # `$` matches before a final newline
+    ("a@1\n", "invalid adapter name"),
     ("tab\tname", "invalid adapter name"),
     ("@a", "invalid adapter name"),
     ("a@", "invalid adapter name"),
@@ -36,10 +39,18 @@ def test_safe_names(name):
     ("", "non-empty string"),
     (None, "non-empty string"),
     ("tiny", "name of a served base model"),
+    ("tiny@1", "its alias 'tiny' is the name of a served base model"),
 ])
 def test_unsafe_names(name, message):
     with pytest.raises(ValueError, match=message):
         check_name(name, reserved={"tiny"})
+
+
+def test_a_plain_name_may_not_be_the_alias_of_a_served_version():
+    check_not_alias("x", None)  # no alias
+    check_not_alias("x", "x")  # the plain adapter itself (a reload)
+    with pytest.raises(ValueError, match="'x': it is the alias of the served version 'x@2'"):
+        check_not_alias("x", "x@2")
 
 
 def test_paths_under_roots(tmp_path):

@@ -276,7 +276,9 @@ def test_register_checks_name_roots_and_model_before_copying(upstreams, tiny_ass
             status, message = await post("x", path)
             assert status == 403 and "outside the adapter roots" in message, (path, message)
         for name, reason in (("a/b", "invalid adapter name"), ("x" * 201, "201 characters"),
-                             ("base", "name of a served base model")):
+                             ("base", "name of a served base model"),
+                             ("base@1", "its alias 'base' is the name of a served base"),
+                             ("ok\n", "invalid adapter name")):
             status, message = await post(name, root / "ok")
             assert status == 400 and reason in message
         for path, reason in ((root / "bad" / "wrong-base", "does not fit this base model"),
@@ -290,6 +292,36 @@ def test_register_checks_name_roots_and_model_before_copying(upstreams, tiny_ass
         assert copied == [("fine", str(root / "ok"))]
     run_router(upstreams, body, registry=lambda name, path: copied.append((name, path)),
                adapter_roots=[str(root)])
+
+
+def test_an_alias_never_shadows_the_base_model_or_another_line(upstreams, tiny_assets):
+    """`base@1` would take over `base`, a plain `pub` would silently replace
+    what the alias `pub` serves: both refused; a version of a plain adapter
+    is accepted and leaves the plain one its name (adapters/safety.py)."""
+    async def body(client, core):
+        good = os.path.join(tiny_assets, "adapters", "adapter-001-r16")
+
+        async def post(name):
+            r = await client.post("/admin/adapters", json={"name": name, "path": good})
+            return r.status_code, r.json().get("error", {}).get("message", "")
+
+        assert (await post("base@1"))[0] == 400
+        models = [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+        assert models.count("base") == 1 and "base@1" not in models
+        r = await client.post("/v1/completions", json={"model": "base", "prompt": "hi"})
+        assert r.status_code == 200 and r.json()["model"] == "base"
+        assert await post("pub@1") == (200, "")
+        status, message = await post("pub")
+        assert status == 400 and "alias of the served version 'pub@1'" in message
+        assert (await post("pub@1"))[0] == 409
+        r = await client.post("/v1/completions", json={"model": "pub", "prompt": "hi"})
+        assert r.json()["model"] == "pub@1"
+        assert await post("a8@2") == (200, "")  # a version of the plain adapter a8
+        r = await client.post("/v1/completions", json={"model": "a8", "prompt": "hi"})
+        assert r.json()["model"] == "a8"
+        assert [m["id"] for m in (await client.get("/v1/models")).json()["data"]].count(
+            "a8") == 1
+    run_router(upstreams, body, adapter_roots=[os.path.join(tiny_assets, "adapters")])
 
 
 def test_register_copies_off_the_event_loop(upstreams, tiny_assets):

@@ -107,6 +107,13 @@ def test_a_drain_never_unloads_a_pair_that_a_later_placement_put_back():
     asyncio.run(body())
 
 
+def test_a_source_adapter_whose_alias_is_the_base_model_is_not_served():
+    core, _, _ = make_core(catalog={**CATALOG, "base@1": 8})
+    assert "base@1" not in core.catalog and "base" not in core.aliases
+    assert "served base model" in core.invalid["base@1"]
+    assert core.resolve("base") == "base"
+
+
 def test_registering_an_adapter_of_a_new_rank_keeps_placement_working():
     async def body():
         core, engines, _ = make_core()

@@ -287,6 +287,7 @@ def test_adapters_broken_on_disk_after_their_checks_fail_alone(server, victims, 
     message = events[-1]["error"]["message"]
     assert "LoRA adapter 'late-unreadable' cannot be served" in message
     assert ENGINE_READ in message, message
+    assert "late-unreadable" not in _model_ids(server)  # registered, but not servable
     assert _complete(server, "adapter-001-r16").status_code == 200
     assert _complete(server, BASE).status_code == 200
     # Unloading the broken adapter clears its failure; its name can be reused.
@@ -378,14 +379,127 @@ def test_load_outside_the_roots_is_403(server, tiny_assets, runtime_root, tmp_pa
     ("a/b", "invalid adapter name"), ("..", "invalid adapter name"),
     ("../x", "invalid adapter name"), ("bad\nname", "invalid adapter name"),
     ("x" * 10_000, "10000 characters"), (BASE, "name of a served base model"),
+    (f"{BASE}@1", f"its alias '{BASE}' is the name of a served base model"),
+    ("name\n", "invalid adapter name"),
 ])
 def test_unsafe_adapter_names_are_400(server, tiny_assets, name, reason):
     good = os.path.join(tiny_assets, "adapters", "adapter-000-r8")
     r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": good})
     assert r.status_code == 400 and reason in r.json()["error"]["message"], r.text
     assert name not in _adapters(server)
-    # base-model requests still go to the base model
-    assert _complete(server, BASE).status_code == 200
+    # base-model requests still go to the base model, listed once
+    assert _complete(server, BASE).json()["model"] == BASE
+    assert _model_ids(server).count(BASE) == 1
+
+
+def _model_ids(url):
+    return [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=60).json()["data"]]
+
+
+def _load(url, name, path, inplace=False):
+    return httpx.post(f"{url}/v1/load_lora_adapter", timeout=120, json={
+        "lora_name": name, "lora_path": path, "load_inplace": inplace})
+
+
+def test_an_alias_never_shadows_another_adapter(server, tiny_assets, runtime_root):
+    """The alias rule (adapters/safety.py): a plain name that is the alias of
+    served versions is refused, also as an in-place reload; a version of a
+    served plain adapter leaves it its name until it is unloaded."""
+    adapters = os.path.join(tiny_assets, "adapters")
+    for name, source in (("line", "adapter-000-r8"), ("line-1", "adapter-003-r64")):
+        if not (runtime_root / name).exists():
+            shutil.copytree(os.path.join(adapters, source), runtime_root / name)
+    plain, version = str(runtime_root / "line"), str(runtime_root / "line-1")
+    assert _load(server, "ver@1", version).status_code == 200
+    for inplace in (False, True):
+        r = _load(server, "ver", plain, inplace)
+        assert r.status_code == 400, r.text
+        assert "alias of the served version 'ver@1'" in r.json()["error"]["message"]
+    assert _adapters(server)["ver@1"]["path"] == version and "ver" not in _adapters(server)
+    assert httpx.post(f"{server}/v1/unload_lora_adapter",
+                      json={"lora_name": "ver@1"}).status_code == 200
+    assert "ver" not in _model_ids(server)
+
+    assert _load(server, "line", plain).status_code == 200
+    assert _load(server, "line@1", version).status_code == 200
+    cards = {m["id"]: m for m in httpx.get(f"{server}/v1/models").json()["data"]}
+    assert cards["line"]["root"] == plain and cards["line@1"]["root"] == version
+    assert httpx.post(f"{server}/v1/unload_lora_adapter",
+                      json={"lora_name": "line"}).status_code == 200
+    cards = {m["id"]: m for m in httpx.get(f"{server}/v1/models").json()["data"]}
+    assert cards["line"]["root"] == version  # the alias follows the version line now
+    assert _complete(server, "line").status_code == 200
+    assert httpx.post(f"{server}/v1/unload_lora_adapter",
+                      json={"lora_name": "line@1"}).status_code == 200
+    assert not {"line", "line@1"} & set(_model_ids(server))
+
+
+def _check_agreement(url):
+    """`/v1/models`, the listing and the worker's copies tell one story:
+    each model id is a ready adapter or an alias of one of its versions,
+    listed once; no copy on the worker without a listed owner; the pages of
+    the listed adapters are the pool's adapter pages."""
+    assert _complete(url, BASE).status_code == 200  # a step: pending evictions reach the worker
+    r = httpx.get(f"{url}/loraserve/v1/adapters", timeout=60).json()
+    ready = {a["name"] for a in r["adapters"] if a["status"] == "ready"}
+    ids = _model_ids(url)
+    assert len(ids) == len(set(ids)), ids
+    aliases = set(ids) - ready - {BASE}
+    assert all(any(n.startswith(f"{a}@") for n in ready) for a in aliases), (aliases, ready)
+    assert ready <= set(ids), ready - set(ids)
+    assert r["orphans"] == [], r["orphans"]
+    pages = sum(a.get("pages", 0) for a in r["adapters"])
+    assert metric_samples(url)[("loraserve_pool_pages", (("kind", "adapter"),))] == pages
+    return ready, set(ids)
+
+
+def test_same_name_load_unload_storm(server, tiny_assets, runtime_root):
+    """Issue 22: loads, in-place reloads and unloads of the same names at the
+    same moment, with requests for them (and for an alias): no 5xx, and
+    afterwards every view of the adapters agrees."""
+    adapters = os.path.join(tiny_assets, "adapters")
+    paths = {}
+    for name, source in (("storm-a", "adapter-000-r8"), ("storm-b", "adapter-002-r32"),
+                         ("wave@1", "adapter-001-r16"), ("wave@2", "adapter-005-r8")):
+        dest = runtime_root / name.replace("@", "-v")
+        if not dest.exists():
+            shutil.copytree(os.path.join(adapters, source), dest)
+        paths[name] = str(dest)
+    rng = random.Random(22)
+    statuses: dict[tuple[str, int], int] = {}
+    errors_5xx = []
+
+    async def call(client, kind, name):
+        if kind == "unload":
+            r = await client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+        elif kind in ("load", "reload"):
+            r = await client.post("/v1/load_lora_adapter", json={
+                "lora_name": name, "lora_path": paths[name], "load_inplace": kind == "reload"})
+        else:
+            r = await client.post("/v1/completions", json={
+                "model": name, "prompt": "storm", "max_tokens": 2, "temperature": 0})
+        statuses[(kind, r.status_code)] = statuses.get((kind, r.status_code), 0) + 1
+        if r.status_code >= 500:
+            errors_5xx.append(f"{kind} {name}: {r.status_code} {r.text[:300]}")
+
+    async def storm():
+        async with httpx.AsyncClient(base_url=server, timeout=120) as client:
+            for _ in range(10):
+                ops = [(k, n) for n in paths for k in ("load", "unload", "reload", "request")]
+                ops.append(("request", "wave"))
+                rng.shuffle(ops)
+                await asyncio.gather(*(call(client, k, n) for k, n in ops))
+
+    asyncio.run(storm())
+    assert not errors_5xx, errors_5xx
+    assert statuses.get(("unload", 200), 0) >= 5 and statuses.get(("load", 200), 0) >= 5, \
+        statuses
+    assert statuses.get(("request", 200), 0) >= 5, statuses
+    ready, ids = _check_agreement(server)
+    for name in paths:  # the storm's names go; nothing of them stays anywhere
+        httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": name})
+    ready, ids = _check_agreement(server)
+    assert not (set(paths) | {"wave"}) & (ready | ids)
 
 
 def test_non_finite_adapters_are_400(server, tiny_assets, runtime_root):

@@ -57,8 +57,39 @@ def test_residency_and_ids(tmp_path):
     cat.update_residency(gpu_ids=[1], host_ids=[2, 99])
     assert [cat.entries[n].residency for n in "abc"] == ["gpu", "host", "disk"]
     assert cat.name_of(2) == "b" and cat.name_of(99) is None
+    assert cat.orphans == [{"lora_int_id": 99, "name": None, "residency": "host"}]
     cat.forget("b")
     assert "b" not in cat.entries
+
+
+def test_resident_copies_of_unloaded_adapters_are_orphans(tmp_path):
+    cat, _ = _catalog()
+    asyncio.run(cat.admit("a", _adapter(tmp_path / "a"), "runtime"))
+    cat.bind("a", 1)
+    cat.update_residency(gpu_ids=[1], host_ids=[], pages={1: 3})
+    assert cat.orphans == []
+    cat.forget("a")
+    cat.update_residency(gpu_ids=[1], host_ids=[], pages={1: 3})
+    assert cat.orphans == [{"lora_int_id": 1, "name": "a", "residency": "gpu", "pages": 3}]
+
+
+def test_line_locks_serialise_one_key_and_are_dropped_after_use():
+    async def body():
+        cat, _ = _catalog()
+        order = []
+
+        async def op(key, tag):
+            async with cat.line_locks.hold(key):
+                order.append(f"{tag}+")
+                await asyncio.sleep(0.01)
+                order.append(f"{tag}-")
+
+        await asyncio.gather(op("x", "a"), op("x", "b"), op("y", "c"))
+        # a and b never overlap; c (another line) runs beside them
+        assert order.index("a-") < order.index("b+") and order.index("c+") < order.index("a-")
+        assert cat.line_locks._locks == {} and cat.line_locks._users == {}
+
+    asyncio.run(body())
 
 
 def test_unloaded_ids_keep_their_name_boundedly(tmp_path, monkeypatch):

@@ -109,6 +109,24 @@ def test_forget_while_in_use_evicts_on_last_release():
     assert 2 not in ap.resident and ap.take_step().evicted == [0]
 
 
+def test_a_removed_adapter_made_resident_again_goes_after_its_last_request():
+    """A request admitted before the runtime remove makes the adapter
+    resident again: its pages go when that request ends, and nothing loads
+    it ahead meanwhile."""
+    ap = make()
+    ap.forget(2, removed=True)  # not resident when removed
+    assert not ap.load_ahead(lr(2), reserve=0) and 2 not in ap.resident
+    assert ap.acquire("late", lr(2)) and 2 in ap.resident
+    ap.take_step()
+    ap.release("late")
+    assert 2 not in ap.resident and ap.take_step().evicted == [0]
+    ap.forget(3)  # a replaced (reloaded in place) adapter stays cacheable
+    assert ap.acquire("r3", lr(3))
+    ap.release("r3")
+    assert 3 in ap.resident
+    check_invariants(ap)
+
+
 def test_a_load_evicted_in_the_same_step_never_reaches_the_workers():
     ap = make(num_blocks=1 + 34)
     assert ap.acquire("r1", lr(5))

@@ -7,8 +7,18 @@ plugin server and the router alike:
 - a name is a plain identifier: letters, digits, `.`, `_`, `-`, starting
   with a letter or digit, optionally followed by one `@version` of the same
   characters (`name@step`, a published training version), at most 200
-  characters (so no path separator, `..` or control character), and not a
-  served base model's name;
+  characters (so no path separator, `..` or control character, a final
+  newline included: the pattern must match the whole name), and neither it
+  nor its alias is a served base model's name (`base@1` would take over the
+  requests for `base`);
+- the alias rule, the same on the server and the router: `name@version` is
+  a version of the line `name`, and a request for `name` gets the plain
+  adapter `name` while one is served, else the newest served version (its
+  alias). An alias never shadows an adapter of another line: a plain name
+  that is now the alias of served versions is refused (`check_not_alias`;
+  it would silently change what `name` serves), while a version of a served
+  plain adapter is accepted and answers to its full name only until the
+  plain one is unloaded;
 - a path must resolve (symlinks and `..` followed) inside one of the
   configured adapter roots, and so must every file and directory in it
   (`resolve_adapter_under_roots`): a symlinked file would otherwise be read,
@@ -22,7 +32,8 @@ import re
 from collections.abc import Collection
 
 MAX_NAME_LENGTH = 200
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+# Used with fullmatch: `$` alone would also accept a name ending in "\n".
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9][A-Za-z0-9._-]*)?")
 
 
 class PathOutsideRoots(ValueError):
@@ -36,13 +47,24 @@ def check_name(name: object, reserved: Collection[str] = ()) -> str:
     if len(name) > MAX_NAME_LENGTH:
         raise ValueError(f"invalid adapter name of {len(name)} characters: at most "
                          f"{MAX_NAME_LENGTH} are allowed")
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise ValueError(f"invalid adapter name {name!r}: use letters, digits, '.', '_' and "
                          "'-', starting with a letter or digit, and at most one '@version'")
     if name in reserved:
         raise ValueError(f"invalid adapter name {name!r}: it is the name of a served base "
                          "model")
+    if alias_of(name) in reserved:
+        raise ValueError(f"invalid adapter name {name!r}: its alias {alias_of(name)!r} is the "
+                         "name of a served base model")
     return name
+
+
+def check_not_alias(name: str, version: str | None) -> None:
+    """ValueError if `name` is now the alias of the served version `version`
+    (None: it is no alias), see the alias rule above."""
+    if version is not None and version != name:
+        raise ValueError(f"invalid adapter name {name!r}: it is the alias of the served "
+                         f"version {version!r}; choose another name")
 
 
 def alias_of(name: str) -> str:

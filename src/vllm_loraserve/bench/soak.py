@@ -5,13 +5,21 @@ adapters: half from an adapter directory, half loaded and unloaded at
 runtime (from a `--loraserve-allowed-root`) by a churn task while
 `concurrency` clients send `requests` completions, each naming any adapter,
 streamed or not; some streaming clients close the connection after the
-first chunk. No adapter file changes on disk during the run.
+first chunk. With `same_name_churn` N, a second task hammers N of the
+churned names (issue 22): every churn pause it sends a load, an in-place
+reload and an unload of one of them at the same moment, racing the churner
+and the clients that name it. No adapter file changes on disk during the run.
 
 Pass (issue 11): no 5xx and no transport error; every request answered
 (200 with a complete body) or refused with a 4xx whose body says why (e.g.
 vLLM's 404 for a churned adapter that is unloaded right now); RSS of the
 server's whole process tree grows by less than `max_rss_growth` from the
-second to the last quarter of the run (mean of the samples in each).
+second to the last quarter of the run (mean of the samples in each); at the
+end, every model in `/v1/models` is listed once and is a ready adapter of
+`GET /loraserve/v1/adapters` (or the alias of one of its versions), and the
+worker holds no copy no listed adapter owns (`orphans`). With same-name
+churn, a load refused as already loaded (400) and an unload of a name gone
+(404) are the races' expected answers; any other non-200 churn answer fails.
 Used by tests/e2e/test_soak.py (short) and benchmarks/soak/run_soak.py (long).
 """
 
@@ -31,6 +39,8 @@ import httpx
 from vllm_loraserve.demo.assets import build_assets
 from vllm_loraserve.process import Server, free_port, vllm_executable
 
+MODEL = "tiny"  # the served model name
+
 
 @dataclass(frozen=True)
 class SoakConfig:
@@ -41,6 +51,7 @@ class SoakConfig:
     stream_fraction: float = 0.5
     disconnect_fraction: float = 0.1  # of the streamed requests
     churn_pause_s: float = 0.1  # between two runtime loads/unloads
+    same_name_churn: int = 0  # churned names also loaded/reloaded/unloaded at once (0: off)
     host_cache_bytes: int = 64 << 20
     max_rss_growth: float = 0.05
     seed: int = 0
@@ -54,7 +65,9 @@ class SoakResult:
     statuses: dict[str, int] = field(default_factory=dict)  # HTTP status -> requests
     refusals: dict[str, int] = field(default_factory=dict)  # "status: message" -> count
     bad: list[str] = field(default_factory=list)  # what went wrong, first 50
-    churn: dict[str, int] = field(default_factory=dict)  # "load 200", "unload 200", ...
+    # "load 200", "unload 200", ...; "... race": a same-name race's expected refusal
+    churn: dict[str, int] = field(default_factory=dict)
+    end_state: list[str] = field(default_factory=list)  # disagreements at the end
     rss_samples: list[tuple[float, int]] = field(default_factory=list)  # (s, bytes)
     rss_q2_mb: float = 0.0
     rss_q4_mb: float = 0.0
@@ -149,33 +162,77 @@ async def _drive(url: str, cfg: SoakConfig, dir_names: list[str], churn_paths: d
                 elif outcome == "bad" and len(result.bad) < 50:
                     result.bad.append(f"{model}: {detail}")
 
+        def expected_race(kind: str, r: httpx.Response) -> bool:
+            """A same-name race's refusal: already loaded, or already gone."""
+            if not cfg.same_name_churn:
+                return False
+            return (kind != "unload" and r.status_code == 400 and
+                    "has already been loaded" in r.text) or \
+                (kind == "unload" and r.status_code == 404 and "cannot be found" in r.text)
+
+        async def churn_call(kind: str, name: str) -> httpx.Response:
+            if kind == "unload":
+                r = await client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name})
+            else:
+                r = await client.post(f"{url}/v1/load_lora_adapter", json={
+                    "lora_name": name, "lora_path": churn_paths[name],
+                    "load_inplace": kind == "reload"})
+            race = expected_race(kind, r)
+            churn[f"{kind} {r.status_code}{' race' if race else ''}"] += 1
+            if r.status_code != 200 and not race and len(result.bad) < 50:
+                result.bad.append(f"churn {kind} {name}: {r.status_code} {r.text[:300]}")
+            return r
+
         async def churner() -> None:
-            loaded: set[str] = set()
+            loaded: set[str] = set()  # as far as this task knows (same-name churn races it)
             crng = random.Random(cfg.seed + 1)
             names = sorted(churn_paths)
             while not clients_done.is_set():
                 name = crng.choice(names)
-                if name in loaded:
-                    r = await client.post(f"{url}/v1/unload_lora_adapter",
-                                          json={"lora_name": name})
-                    kind = "unload"
-                else:
-                    r = await client.post(f"{url}/v1/load_lora_adapter", json={
-                        "lora_name": name, "lora_path": churn_paths[name]})
-                    kind = "load"
-                churn[f"{kind} {r.status_code}"] += 1
-                if r.status_code == 200:
+                kind = "unload" if name in loaded else "load"
+                r = await churn_call(kind, name)
+                if r.status_code == 200 or expected_race(kind, r):
                     loaded.symmetric_difference_update({name})
-                elif len(result.bad) < 50:
-                    result.bad.append(f"churn {kind} {name}: {r.status_code} {r.text[:300]}")
                 await asyncio.sleep(cfg.churn_pause_s)
 
-        churn_task = asyncio.create_task(churner())
+        async def same_name_churner() -> None:
+            crng = random.Random(cfg.seed + 2)
+            hot = sorted(churn_paths)[:cfg.same_name_churn]
+            while not clients_done.is_set():
+                name = crng.choice(hot)
+                kinds = ["load", "reload", "unload"]
+                crng.shuffle(kinds)
+                await asyncio.gather(*(churn_call(k, name) for k in kinds))
+                await asyncio.sleep(cfg.churn_pause_s)
+
+        churn_tasks = [asyncio.create_task(churner())]
+        if cfg.same_name_churn:
+            churn_tasks.append(asyncio.create_task(same_name_churner()))
         await asyncio.gather(*(worker() for _ in range(cfg.concurrency)))
         clients_done.set()
-        await churn_task
+        await asyncio.gather(*churn_tasks)
+        result.end_state = await _disagreements(client, url)
     result.outcomes, result.statuses = dict(outcomes), dict(statuses)
     result.refusals, result.churn = dict(refusals.most_common()), dict(churn)
+
+
+async def _disagreements(client: httpx.AsyncClient, url: str) -> list[str]:
+    """What `/v1/models`, the adapter listing and the worker's copies
+    disagree on, after one more request (its step carries out pending page
+    evictions)."""
+    await client.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "end",
+                                                     "max_tokens": 1})
+    listing = (await client.get(f"{url}/loraserve/v1/adapters")).json()
+    ids = [m["id"] for m in (await client.get(f"{url}/v1/models")).json()["data"]]
+    ready = {a["name"] for a in listing["adapters"] if a["status"] == "ready"}
+    out = [f"{n} is in /v1/models {ids.count(n)} times" for n in sorted(set(ids))
+           if ids.count(n) > 1]
+    out += [f"{n} is ready but not in /v1/models" for n in sorted(ready - set(ids))]
+    out += [f"{n} is in /v1/models but neither a ready adapter nor an alias of one"
+            for n in sorted(set(ids) - ready - {MODEL})
+            if not any(r.startswith(f"{n}@") for r in ready)]
+    out += [f"orphan on the worker: {o}" for o in listing["orphans"]]
+    return out
 
 
 def _judge(result: SoakResult, cfg: SoakConfig) -> None:
@@ -186,9 +243,11 @@ def _judge(result: SoakResult, cfg: SoakConfig) -> None:
     if result.outcomes.get("bad"):
         f.append(f"{result.outcomes['bad']} requests neither answered nor refused with a "
                  "reason")
-    bad_churn = sum(n for k, n in result.churn.items() if not k.endswith(" 200"))
+    bad_churn = sum(n for k, n in result.churn.items()
+                    if not k.endswith((" 200", " race")))
     if bad_churn:
         f.append(f"{bad_churn} runtime loads/unloads failed")
+    f.extend(f"at the end: {d}" for d in result.end_state)
     if sum(result.outcomes.values()) != cfg.requests:
         f.append(f"{sum(result.outcomes.values())} outcomes for {cfg.requests} requests")
     t_end = result.rss_samples[-1][0] if result.rss_samples else 0.0
@@ -208,7 +267,7 @@ def _judge(result: SoakResult, cfg: SoakConfig) -> None:
 def server_args(assets: str, dir_root: str, churn_root: str, cfg: SoakConfig,
                 port: int) -> list[str]:
     return [vllm_executable(), "serve", os.path.join(assets, "model"), "--plugin", "loraserve",
-            "--served-model-name", "tiny", "--enable-lora", "--max-lora-rank", "128",
+            "--served-model-name", MODEL, "--enable-lora", "--max-lora-rank", "128",
             "--max-loras", "8", "--max-num-seqs", str(max(32, cfg.concurrency)),
             "--dtype", "float32", "--max-model-len", "512",
             "--host", "127.0.0.1", "--port", str(port),

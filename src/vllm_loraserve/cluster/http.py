@@ -6,7 +6,9 @@ OpenAI-compatible: `/v1/models`, `/v1/completions`, `/v1/chat/completions`
 `/admin/placement` (read, override), `/admin/rebalance`,
 `/admin/engines/{i}/restart`; with an admin token, every admin route needs
 `Authorization: Bearer <token>` (401 otherwise). A registered adapter must
-have a safe name and lie under the router's adapter roots (403 otherwise);
+have a safe name whose alias is not the base model's, must not be the alias
+of registered versions (400; adapters/safety.py), must not be registered
+(409), and must lie under the router's adapter roots (403 otherwise);
 it is read and checked against the model (an engine's
 `/loraserve/v1/model`) in a thread before it is copied anywhere. A
 registered `name@version` (train/publish.py) moves the alias `name` to it;
@@ -48,7 +50,7 @@ from vllm_loraserve.adapters.safety import (
     resolve_adapter_under_roots,
 )
 from vllm_loraserve.cluster.placement import check_assignment
-from vllm_loraserve.cluster.router import RouterCore
+from vllm_loraserve.cluster.router import NameTaken, RouterCore
 
 _RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
 
@@ -314,10 +316,11 @@ def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float 
             return _error(400, "give `name` and `path` in a JSON object", "BadRequestError")
         try:
             check_name(name, reserved={core.base_model})
+            core.check_new_name(name)  # before the copy; again when registered
+        except NameTaken as e:
+            return _error(409, str(e), "ConflictError")
         except ValueError as e:
             return _error(400, str(e), "BadRequestError")
-        if name in core.catalog:
-            return _error(409, f"adapter `{name}` is already registered", "ConflictError")
         try:
             real = resolve_adapter_under_roots(path, adapter_roots)
         except PathOutsideRoots as e:
@@ -336,7 +339,12 @@ def build_app(core: RouterCore, register_source=None, upstream_timeout_s: float 
             except (OSError, ValueError) as e:
                 return _error(400, f"adapter `{name}` could not be copied: {e}",
                               "BadRequestError")
-        await core.register(name, spec.rank)
+        try:
+            await core.register(name, spec.rank)
+        except NameTaken as e:
+            return _error(409, str(e), "ConflictError")
+        except ValueError as e:
+            return _error(400, str(e), "BadRequestError")
         if name in core.invalid:
             return _error(400, f"adapter `{name}` cannot be served: {core.invalid[name]}",
                           "BadRequestError")

@@ -43,7 +43,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 
-from vllm_loraserve.adapters.safety import alias_of
+from vllm_loraserve.adapters.safety import alias_of, check_name, check_not_alias
 from vllm_loraserve.cluster import migration
 from vllm_loraserve.cluster.demand import DemandTracker
 from vllm_loraserve.cluster.engine import AdapterRejected
@@ -54,6 +54,10 @@ from vllm_loraserve.perf.model import Profile
 from vllm_loraserve.perf.operating import with_operating_points
 
 logger = logging.getLogger(f"vllm.{__name__}")
+
+
+class NameTaken(ValueError):
+    """A registration under a name already registered (HTTP 409)."""
 
 
 class EngineHandle(Protocol):
@@ -114,8 +118,14 @@ class RouterCore:
     def __init__(self, engines: Mapping[int, EngineHandle], catalog: Mapping[str, int],
                  base_model: str, profile: Profile, config: RouterConfig) -> None:
         self.engines = dict(engines)
-        self.catalog = dict(catalog)  # adapter -> rank, the adapters being served
+        self.catalog: dict[str, int] = {}  # adapter -> rank, the adapters being served
         self.invalid: dict[str, str] = {}  # adapter -> why no engine can serve it
+        for a, rank in catalog.items():  # `base@1` in the source must not take over `base`
+            try:
+                check_name(a, reserved={base_model})
+                self.catalog[a] = rank
+            except ValueError as e:
+                self.invalid[a] = str(e)
         # name -> its newest published version name@version (`resolve`)
         self.aliases = {alias_of(a): a for a in self.catalog if alias_of(a) != a}
         self.base_model = base_model
@@ -452,9 +462,19 @@ class RouterCore:
         self._spawn(self._check(engine))
 
     # -- admin ---------------------------------------------------------------
+    def check_new_name(self, adapter: str) -> None:
+        """NameTaken if `adapter` is registered; ValueError if it is the alias
+        of registered versions (the alias rule, adapters/safety.py)."""
+        if adapter in self.catalog:
+            raise NameTaken(f"adapter `{adapter}` is already registered")
+        check_not_alias(adapter, self.aliases.get(adapter))
+
     async def register(self, adapter: str, rank: int) -> None:
-        """Serve a new adapter; if an engine refuses it, it ends in `invalid`."""
+        """Serve a new adapter (`check_new_name` first, under the lock: a
+        concurrent registration may have taken the name); if an engine
+        refuses it, it ends in `invalid`."""
         async with self._placement_lock:
+            self.check_new_name(adapter)
             if rank not in self.profile.operating_points:  # placement needs its capacity
                 self.profile = await asyncio.to_thread(with_operating_points, self.profile,
                                                        [rank])

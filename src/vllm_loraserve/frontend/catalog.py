@@ -17,9 +17,10 @@ Invariant: an entry has exactly one of `spec` (servable) and `error`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,27 @@ class AdapterEntry:
         }
 
 
+class KeyedLocks:
+    """One asyncio lock per key, kept only while a task holds or waits for it
+    (so nothing grows with the names clients try)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._users: dict[str, int] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        self._users[key] = self._users.get(key, 0) + 1
+        try:
+            async with lock:
+                yield
+        finally:
+            self._users[key] -= 1
+            if not self._users[key]:
+                del self._users[key], self._locks[key]
+
+
 class AdapterCatalog:
     """Invariant: `entries` holds what the operator configured (valid or not)
     and what runtime loads made servable; a refused runtime load is answered
@@ -89,6 +111,16 @@ class AdapterCatalog:
         # worker's buffer, and their metrics keep the adapter's name.
         self._retired: OrderedDict[int, str] = OrderedDict()
         self._weight_checks: dict[str, asyncio.Future[None]] = {}
+        # Resident on the worker but bound to no entry (last `update_residency`):
+        # an unloaded adapter's copy, while a request it admitted still runs.
+        self.orphans: list[dict[str, Any]] = []
+        # Loads, reloads and unloads of one version line (`alias_of`) run one
+        # at a time, as SGLang's LoRARegistry serialises them per name: each
+        # reads vLLM's `lora_requests`, awaits the engine, then writes it and
+        # this catalogue, and vLLM's own per-name lock covers only its part
+        # (an unload could read the entry before a load wrote it, then fail
+        # or leave the worker's copy behind).
+        self.line_locks = KeyedLocks()
 
     async def model_info(self) -> ModelLoRAInfo:
         if self._model_info is None:
@@ -185,6 +217,11 @@ class AdapterCatalog:
             i = entry.lora_int_id
             entry.residency = "gpu" if i in gpu else "host" if i in host else "disk"
             entry.pages = pages.get(i) if i in gpu else None
+        bound = {e.lora_int_id for e in self.entries.values()}
+        self.orphans = [{"lora_int_id": i, "name": self.name_of(i),
+                         "residency": "gpu" if i in gpu else "host",
+                         **({"pages": pages[i]} if i in pages else {})}
+                        for i in sorted((gpu | host) - bound)]
 
     def name_of(self, lora_int_id: int) -> str | None:
         """The adapter name of an engine-side id, also after its unload."""

@@ -3,7 +3,8 @@
 Routes:
 - `GET /loraserve/v1/adapters`: every known adapter with rank, alpha, target
   modules, size and where it resides now (disk / host / gpu), invalid ones
-  with the reason;
+  with the reason; `orphans`: copies on the worker that no listed adapter
+  owns (an unloaded one's, while a request it admitted still runs);
 - `GET /loraserve/v1/adapters/{name}`: one of them (404 if unknown);
 - `GET /loraserve/v1/model`: the rank limit, module paths and shapes adapters
   are checked against.
@@ -65,6 +66,7 @@ async def list_adapters(raw_request: Request) -> JSONResponse:
     return JSONResponse({
         "adapters": [e.to_json() for _, e in sorted(catalog.entries.items())],
         "counts": catalog.counts(),
+        "orphans": catalog.orphans,
     })
 
 

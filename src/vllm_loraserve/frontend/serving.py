@@ -8,11 +8,16 @@ With the plugin active:
   reason instead of failing start-up (static `--lora-modules`) or the engine
   step; its tensors are read once for NaN/Inf and for a scaling that
   overflows the serving dtype (directory adapters: on their first request);
-- names must be safe identifiers and not a served model's name (400), and a
-  runtime `/v1/load_lora_adapter` path, and every file in it, must lie inside
-  the adapter roots (`--loraserve-adapter-dir`, `--loraserve-allowed-root`),
+- names must be safe identifiers, neither they nor their alias a served
+  model's name, and a plain name must not be the alias of served versions
+  (400; the alias rule in adapters/safety.py), and a runtime
+  `/v1/load_lora_adapter` path, and every file in it, must lie inside the
+  adapter roots (`--loraserve-adapter-dir`, `--loraserve-allowed-root`),
   else 403 (adapters/safety.py); an adapter directory's adapters likewise,
   inside the adapter directories, else they are listed invalid;
+- loads, reloads and unloads of one version line run one at a time
+  (`AdapterCatalog.line_locks`), so `lora_requests`, the catalogue and the
+  worker's copies agree whatever order concurrent calls arrive in;
 - `--loraserve-adapter-dir` adapters are registered by name without loading:
   the worker reads each from disk on its first request;
 - requests naming an invalid adapter get HTTP 400 with the reason; unknown
@@ -26,13 +31,16 @@ With the plugin active:
 - `/v1/unload_lora_adapter` also frees the worker's copy (vLLM alone only
   forgets the name);
 - loading a versioned name `name@version` (vllm_loraserve.train publishes
-  them) moves the alias `name` to it, unless `name` is an adapter of its own.
+  them) moves the alias `name` to it, unless `name` is an adapter of its own
+  (then the alias follows when that one is unloaded).
   The alias is one more key of vLLM's `lora_requests` for the same
   LoRARequest, resolved once per request at admission
   (`_maybe_get_adapters`): a request in flight keeps the version it started
   with, later ones get the new one. Unloading the version the alias points
-  to moves it to the newest version left, or removes it. `/v1/models` lists
-  the alias under its own name (vLLM would list the version twice).
+  to (or the plain adapter) moves it to the newest version left, or removes
+  it. `/v1/models` lists
+  the alias under its own name (vLLM would list the version twice), and
+  only adapters that can be served.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from vllm_loraserve.adapters.safety import (
     PathOutsideRoots,
     alias_of,
     check_name,
+    check_not_alias,
     resolve_adapter_under_roots,
 )
 from vllm_loraserve.config import from_vllm_config
@@ -126,8 +135,6 @@ def note_engine_failure(req_state: Any, reason: str) -> None:
 
 def _make_load_lora_adapter(load_lora_adapter):
     async def patched(self, request, base_model_name=None, *, loraserve_source="runtime"):
-        from vllm.entrypoints.openai.engine.protocol import ErrorResponse
-
         catalog = catalog_of(self)
         name = request.lora_name
         if catalog is None or not request.lora_path:
@@ -135,63 +142,84 @@ def _make_load_lora_adapter(load_lora_adapter):
         try:
             check_name(name, _reserved_names(self))
         except ValueError as e:
-            return _error(f"LoRA adapter refused: {e}", "BadRequestError",
-                          HTTPStatus.BAD_REQUEST, "lora_name")
-        if loraserve_source == "runtime":
-            # Paths from the network: only inside the configured roots.
-            cfg = from_vllm_config(self.engine_client.vllm_config)
-            try:
-                resolve_adapter_under_roots(request.lora_path,
-                                            [*cfg.adapter_dirs, *cfg.allowed_roots])
-            except PathOutsideRoots as e:
-                return _error(f"LoRA adapter '{name}' refused: {e}", "PermissionDenied",
-                              HTTPStatus.FORBIDDEN, "lora_path")
-        if name in self.lora_requests and not request.load_inplace:
-            # vLLM refuses the duplicate (its message, our type); the served
-            # version's entry stays as it is.
-            result = await load_lora_adapter(self, request, base_model_name)
-            if isinstance(result, ErrorResponse):
-                return _error(result.error.message, errors.ADAPTER_LOADED,
-                              HTTPStatus.BAD_REQUEST, "lora_name")
-            return result
-        entry = await catalog.inspect(name, request.lora_path, loraserve_source,
-                                      read_weights=True)
-        keep_invalid = loraserve_source != "runtime"  # configured ones stay listed
-        if entry.error is not None:
-            if keep_invalid:
-                catalog.record(entry)
-            return _bad_adapter(name, entry.error)
-        result = await load_lora_adapter(self, request, base_model_name)
-        if isinstance(result, ErrorResponse):
-            if keep_invalid and name not in self.lora_requests:
-                entry.spec, entry.error = None, result.error.message
-                catalog.record(entry)
-            return _bad_adapter(name, result.error.message)
-        catalog.record(entry)
-        catalog.bind(name, self.lora_requests[name].lora_int_id)
-        alias = alias_of(name)
-        if alias != name and alias not in catalog.entries:
-            self.lora_requests[alias] = self.lora_requests[name]
-            logger.info("LoRA alias '%s' now serves '%s'", alias, name)
-        return result
+            return _refused_name(e)
+        async with catalog.line_locks.hold(alias_of(name)):
+            return await _load(self, catalog, load_lora_adapter, request, base_model_name,
+                               loraserve_source)
 
     return patched
 
 
+def _refused_name(e: ValueError) -> Any:
+    return _error(f"LoRA adapter refused: {e}", "BadRequestError", HTTPStatus.BAD_REQUEST,
+                  "lora_name")
+
+
+async def _load(models: Any, catalog: AdapterCatalog, load_lora_adapter, request,
+                base_model_name, source: str) -> Any:
+    """The load of a checked name, under its line's lock."""
+    from vllm.entrypoints.openai.engine.protocol import ErrorResponse
+
+    name = request.lora_name
+    served = models.lora_requests.get(name)
+    try:
+        check_not_alias(name, None if served is None else served.lora_name)
+    except ValueError as e:
+        return _refused_name(e)
+    if source == "runtime":
+        # Paths from the network: only inside the configured roots.
+        cfg = from_vllm_config(models.engine_client.vllm_config)
+        try:
+            resolve_adapter_under_roots(request.lora_path,
+                                        [*cfg.adapter_dirs, *cfg.allowed_roots])
+        except PathOutsideRoots as e:
+            return _error(f"LoRA adapter '{name}' refused: {e}", "PermissionDenied",
+                          HTTPStatus.FORBIDDEN, "lora_path")
+    if served is not None and not request.load_inplace:
+        # vLLM refuses the duplicate (its message, our type); the served
+        # version's entry stays as it is.
+        result = await load_lora_adapter(models, request, base_model_name)
+        if isinstance(result, ErrorResponse):
+            return _error(result.error.message, errors.ADAPTER_LOADED,
+                          HTTPStatus.BAD_REQUEST, "lora_name")
+        return result
+    entry = await catalog.inspect(name, request.lora_path, source, read_weights=True)
+    keep_invalid = source != "runtime"  # configured ones stay listed
+    if entry.error is not None:
+        if keep_invalid:
+            catalog.record(entry)
+        return _bad_adapter(name, entry.error)
+    result = await load_lora_adapter(models, request, base_model_name)
+    if isinstance(result, ErrorResponse):
+        if keep_invalid and name not in models.lora_requests:
+            entry.spec, entry.error = None, result.error.message
+            catalog.record(entry)
+        return _bad_adapter(name, result.error.message)
+    catalog.record(entry)
+    catalog.bind(name, models.lora_requests[name].lora_int_id)
+    alias = alias_of(name)
+    if alias != name and alias not in catalog.entries:
+        models.lora_requests[alias] = models.lora_requests[name]
+        logger.info("LoRA alias '%s' now serves '%s'", alias, name)
+    return result
+
+
 def _repoint_alias(models: Any, catalog: AdapterCatalog, unloaded: str) -> None:
-    """After `unloaded` (a versioned name) is gone: its alias moves to the
-    newest (last loaded) version left, or is removed."""
+    """After `unloaded` is gone: if it was what its line's name served (the
+    version the alias pointed to, or the plain adapter), the alias moves to
+    the newest (last loaded) version left, or is removed."""
     alias = alias_of(unloaded)
     current = models.lora_requests.get(alias)
-    if alias == unloaded or alias in catalog.entries or current is None or \
-            current.lora_name != unloaded:
-        return
+    if alias in catalog.entries:
+        return  # a plain adapter of that name keeps it
+    if alias != unloaded and (current is None or current.lora_name != unloaded):
+        return  # the alias serves another version, or was removed on request
     left = [r for n, r in models.lora_requests.items()
             if n != alias and alias_of(n) == alias]
     if left:
         models.lora_requests[alias] = max(left, key=lambda r: r.lora_int_id)
     else:
-        del models.lora_requests[alias]
+        models.lora_requests.pop(alias, None)
 
 
 def _make_init_static_loras(init_static_loras):
@@ -249,27 +277,34 @@ def _make_init_static_loras(init_static_loras):
 
 def _make_unload_lora_adapter(unload_lora_adapter):
     async def patched(self, request):
-        from vllm.entrypoints.openai.engine.protocol import ErrorResponse
-
         catalog = catalog_of(self)
-        if catalog is None:
+        if catalog is None or not isinstance(request.lora_name, str):
             return await unload_lora_adapter(self, request)
-        name = request.lora_name
-        served = self.lora_requests.get(name)
-        if served is None and catalog.invalid_reason(name) is not None:
-            catalog.forget(name)
-            return f"Success: invalid LoRA adapter '{name}' removed."
-        if served is not None and served.lora_name != name:  # an alias: its version stays
-            del self.lora_requests[name]
-            return f"Success: LoRA alias '{name}' removed."
-        result = await unload_lora_adapter(self, request)
-        if not isinstance(result, ErrorResponse):
-            catalog.forget(name)
-            _repoint_alias(self, catalog, name)
-            await self.engine_client.remove_lora(served.lora_int_id)
-        return result
+        async with catalog.line_locks.hold(alias_of(request.lora_name)):
+            return await _unload(self, catalog, unload_lora_adapter, request)
 
     return patched
+
+
+async def _unload(models: Any, catalog: AdapterCatalog, unload_lora_adapter, request) -> Any:
+    """The unload of a name, under its line's lock."""
+    from vllm.entrypoints.openai.engine.protocol import ErrorResponse
+
+    name = request.lora_name
+    served = models.lora_requests.get(name)
+    if served is None and catalog.invalid_reason(name) is not None:
+        catalog.forget(name)
+        _repoint_alias(models, catalog, name)
+        return f"Success: invalid LoRA adapter '{name}' removed."
+    if served is not None and served.lora_name != name:  # an alias: its version stays
+        del models.lora_requests[name]
+        return f"Success: LoRA alias '{name}' removed."
+    result = await unload_lora_adapter(models, request)
+    if not isinstance(result, ErrorResponse):
+        catalog.forget(name)
+        _repoint_alias(models, catalog, name)
+        await models.engine_client.remove_lora(served.lora_int_id)
+    return result
 
 
 def _make_show_available_models(show_available_models):
@@ -278,12 +313,17 @@ def _make_show_available_models(show_available_models):
         if catalog_of(self) is None:
             return models
         # vLLM makes one card per lora_requests value, named by the request:
-        # an alias shares its version's request. One card per key instead.
+        # an alias shares its version's request. One card per key instead,
+        # and none for an adapter the engine failed (`note_engine_failure`:
+        # it stays registered, so that its unload clears the worker, but
+        # cannot be served).
+        catalog = catalog_of(self)
         loras = {r.lora_name for r in self.lora_requests.values()}
         template = {c.id: c for c in models.data if c.id in loras}
         models.data = [c for c in models.data if c.id not in loras] + [
             template[r.lora_name].model_copy(update={"id": name})
-            for name, r in self.lora_requests.items() if r.lora_name in template]
+            for name, r in self.lora_requests.items()
+            if r.lora_name in template and catalog.invalid_reason(r.lora_name) is None]
         return models
 
     return patched

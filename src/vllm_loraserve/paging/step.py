@@ -26,6 +26,10 @@ from typing import Any
 
 STEP_ATTR = "loraserve"
 REPORT_ATTR = "loraserve"
+# Removed adapter ids each side remembers: a request admitted before its
+# adapter's runtime remove may still need it (ids are never reused, so the
+# oldest are the least likely to come back).
+MAX_REMOVED_IDS = 4096
 
 
 @dataclass(frozen=True)

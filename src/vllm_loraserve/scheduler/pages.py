@@ -16,7 +16,10 @@ Invariants (tests/scheduler/test_pages.py):
 - `acquire` either succeeds or changes nothing (no eviction is wasted on an
   admission that cannot succeed);
 - `load_ahead` never evicts and never leaves fewer than `reserve` blocks
-  free: an adapter loaded ahead is idle (evictable) until a request acquires it.
+  free: an adapter loaded ahead is idle (evictable) until a request acquires it;
+- a removed adapter (`forget(..., removed=True)`) is not kept once idle:
+  requests admitted before its removal may still make it resident, and its
+  pages go with the last of them.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_loraserve.paging.step import PageLoad, PoolStep
+from vllm_loraserve.paging.step import MAX_REMOVED_IDS, PageLoad, PoolStep
 
 
 @dataclass
@@ -65,6 +68,7 @@ class AdapterPages:
     _holders: dict[str, int] = field(default_factory=dict)  # request id -> lora id
     _free_slots: list[int] = field(default_factory=list)
     _step: PoolStep = field(default_factory=PoolStep)
+    _removed: OrderedDict[int, None] = field(default_factory=OrderedDict)  # oldest first
 
     def __post_init__(self) -> None:
         self._free_slots = list(range(self.max_slots - 1, -1, -1))
@@ -101,7 +105,8 @@ class AdapterPages:
             while self.block_pool.get_num_free_blocks() < need or not self._free_slots:
                 self.evict_lru()
             r = Resident(lora_request, self._free_slots.pop(), rank,
-                         self.block_pool.get_new_blocks(need))
+                         self.block_pool.get_new_blocks(need),
+                         stale=lora_id in self._removed)
             self.resident[lora_id] = r
             self._step.loads.append(PageLoad(r.slot, lora_request, rank,
                                              tuple(b.block_id for b in r.blocks)))
@@ -120,8 +125,8 @@ class AdapterPages:
         with nothing changed, when it is resident already or does not fit.
         Raises as `demand` does."""
         lora_id = lora_request.lora_int_id
-        if lora_id in self.resident:
-            return False
+        if lora_id in self.resident or lora_id in self._removed:
+            return False  # a removed one is loaded by its admission, to go after it
         rank, need = self.demand(lora_request)
         if not self._free_slots or self.block_pool.get_num_free_blocks() - need < reserve:
             return False
@@ -161,9 +166,14 @@ class AdapterPages:
             n += 1
         return n
 
-    def forget(self, lora_id: int) -> None:
-        """The adapter was removed or replaced: its pages go as soon as no
-        request uses them."""
+    def forget(self, lora_id: int, removed: bool = False) -> None:
+        """The adapter was removed (`removed`) or replaced: its pages go as
+        soon as no request uses them; a removed one's also after requests
+        admitted before the removal made it resident again."""
+        if removed:  # ids are not reused: an in-place reload keeps a served one's
+            self._removed[lora_id] = None
+            while len(self._removed) > MAX_REMOVED_IDS:
+                self._removed.popitem(last=False)
         r = self.resident.get(lora_id)
         if r is None:
             return

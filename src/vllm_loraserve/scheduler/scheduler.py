@@ -337,9 +337,10 @@ class PoolSchedulerMixin:
         self.adapter_pages.evict_all_idle()
         return super().reset_prefix_cache(*args, **kwargs)
 
-    def forget_adapter(self, lora_id: int) -> None:
-        """A runtime remove or in-place reload: drop the adapter's pages once idle."""
-        self.adapter_pages.forget(lora_id)
+    def forget_adapter(self, lora_id: int, removed: bool = False) -> None:
+        """A runtime remove (`removed`), an in-place reload or a failed read:
+        drop the adapter's pages once idle."""
+        self.adapter_pages.forget(lora_id, removed)
         self._adapter_demands.pop(lora_id, None)
         self._read_failures.pop(lora_id, None)
 
@@ -365,7 +366,7 @@ _POOL_CLASSES: dict[type, type] = {}
 def _make_remove_lora(remove_lora: Any) -> Any:
     def patched(self: Any, lora_id: int) -> bool:
         if isinstance(self.scheduler, PoolSchedulerMixin):
-            self.scheduler.forget_adapter(lora_id)
+            self.scheduler.forget_adapter(lora_id, removed=True)
         return remove_lora(self, lora_id)
 
     return patched

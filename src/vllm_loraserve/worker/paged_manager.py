@@ -18,7 +18,9 @@ warm-up calls). Differences from vLLM:
   queue before those requests are admitted. Each step's
   `PoolReport` tells the scheduler which adapters are in that tier, so it
   admits a request only once its adapter is; a step reads from disk itself
-  only if the tier dropped an adapter after reporting it.
+  only if the tier dropped an adapter after reporting it. A runtime remove
+  drops the adapter's copy; one read back for requests admitted before the
+  remove goes once no page or waiting request needs it.
 - An adapter whose load fails at any stage (its files changed or removed on
   disk after its checks, a module this model does not have, an error while
   packing or writing its pages) is marked failed with the reason: its tokens
@@ -33,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -50,7 +52,13 @@ from vllm_loraserve.config import LoraServeConfig
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.layout import pack_layers
 from vllm_loraserve.paging.model import model_layout, module_slice_names
-from vllm_loraserve.paging.step import PageLoad, PoolReport, PoolStep, Prefetch
+from vllm_loraserve.paging.step import (
+    MAX_REMOVED_IDS,
+    PageLoad,
+    PoolReport,
+    PoolStep,
+    Prefetch,
+)
 from vllm_loraserve.worker.host_cache import HostAdapter, HostCache, allocation_bytes
 from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker.pool import DevicePool
@@ -110,6 +118,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self._fresh: set[int] = set()
         # Bumped by each runtime add or remove: a read started before commits nothing.
         self._generation: dict[int, int] = {}
+        self._removed: OrderedDict[int, None] = OrderedDict()  # by remove_adapter, oldest first
         self._lock = threading.Lock()
         # Page loads whose adapter was already in the host tier (hits) or had
         # to be read, or waited for, inside the step (misses).
@@ -364,6 +373,16 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                 continue
             self.page_loads_ahead += load.ahead
             self._record(lr.lora_int_id, "gpu", time.perf_counter() - t0)
+        self._drop_removed()
+
+    def _drop_removed(self) -> None:
+        """Host copies of removed adapters go once no page or waiting request
+        needs them (a request admitted before the remove read it back)."""
+        with self._lock:
+            for lora_id in self.host.ids():
+                if lora_id in self._removed and lora_id not in self.pool.slot_of and \
+                        lora_id not in self._keep and lora_id not in self._fresh:
+                    self.host.pop(lora_id)
 
     def _fail_load(self, load: PageLoad, reason: str) -> None:
         """One adapter's load failed: the scheduler fails its requests (from
@@ -422,6 +441,9 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
     def remove_adapter(self, adapter_id: int) -> bool:
         self._new_generation(adapter_id)
         with self._lock:
+            self._removed[adapter_id] = None
+            while len(self._removed) > MAX_REMOVED_IDS:
+                self._removed.popitem(last=False)
             return self.host.pop(adapter_id) is not None
 
     def _new_generation(self, lora_id: int) -> None:
