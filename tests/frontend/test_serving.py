@@ -28,7 +28,8 @@ class _Counter:
 def _models(adapter_dirs):
     async def collective_rpc(method):
         assert method == "loraserve_lora_modules"
-        return [{"q_proj": [(8, 8)]}]
+        return [{"shapes": {"q_proj": [(8, 8)]},
+                 "modules": ["model.layers.0.self_attn.q_proj"]}]
 
     vllm_config = SimpleNamespace(
         additional_config={"loraserve": {"adapter_dirs": [str(d) for d in adapter_dirs]}},
