@@ -5,6 +5,7 @@ outlives it)."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -22,6 +23,24 @@ _PHASES = [
     ("init engine", "warming up"),
     ("Starting vLLM server", "starting HTTP server"),
 ]
+
+
+# What every `vllm serve` child gets unless the caller's environment names it.
+SERVE_ENV = {
+    # vLLM's CPU backend otherwise reserves 92% of the machine's memory
+    # (--gpu-memory-utilization) and fails to start next to anything else;
+    # vLLM on a GPU ignores it.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # vLLM's workers rendezvous at this address; on loopback the plugin
+    # keeps that store off other interfaces too (worker/rendezvous.py).
+    "VLLM_HOST_IP": "127.0.0.1",
+}
+
+
+def shell_line(cmd: list[str], env: dict[str, str]) -> str:
+    """`cmd` with the variables of `env` in front, as one shell line that
+    runs the same process when pasted."""
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd)])
 
 
 def free_port() -> int:
@@ -45,15 +64,18 @@ class Server:
     """A `vllm serve` child process in its own session; stopped by its PID."""
 
     def __init__(self, cmd: list[str], log_path: str, env: dict[str, str] | None = None) -> None:
-        env = {**os.environ, **(env or {})}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        # vLLM's workers rendezvous at this address; on loopback the plugin
-        # keeps that store off other interfaces too (worker/rendezvous.py).
-        env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        self.cmd = cmd
+        # SERVE_ENV, the caller's environment over it, `env` over both
+        self.env = {**{k: os.environ.get(k, v) for k, v in SERVE_ENV.items()}, **(env or {})}
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+                                     env={**os.environ, **self.env}, start_new_session=True)
+
+    def shell_line(self) -> str:
+        """The command with the variables it was started with beyond the
+        caller's environment: what to paste to start it again."""
+        return shell_line(self.cmd, self.env)
 
     def log_tail(self, n: int = 30) -> str:
         with open(self.log_path, errors="replace") as f:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import filecmp
 import json
 import os
@@ -11,7 +12,13 @@ import torch
 from safetensors.torch import load_file
 
 from vllm_loraserve.adapters.peft import inspect_adapter
-from vllm_loraserve.demo.assets import ALL_TARGETS, DEMO_RANKS, build_assets
+from vllm_loraserve.demo.assets import (
+    ALL_TARGETS,
+    DEMO_RANKS,
+    PRESETS,
+    build_assets,
+    build_model,
+)
 
 
 def _same_tree(a: str, b: str) -> bool:
@@ -65,3 +72,28 @@ def test_peft_and_transformers_load_the_assets(tiny_assets):
     with torch.no_grad():
         lora_logits = model(ids).logits
     assert (base_logits - lora_logits).abs().max() > 0.1  # the adapter matters
+
+
+TEXTS = ["Hello, how are you?", "Tell me a story\nabout a cat who learned to sail.",
+         "def add(a, b):  return a + b", "<|user|>\nList three colours:<|end|>\n<|assistant|>\n"]
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_auto_tokenizer_tokenizes_as_built(preset, tmp_path, monkeypatch):
+    """`AutoTokenizer` (what vLLM, PEFT and the trainer load) encodes and
+    decodes text as the tokenizer.json that was built, for every preset:
+    transformers 5.x rebuilds a qwen2 model's tokenizer from vocab and merges
+    with Qwen2's own pipeline, whatever tokenizer.json says."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    monkeypatch.setitem(PRESETS, preset, dataclasses.replace(PRESETS[preset],
+                                                             write_weights=False))
+    build_model(str(tmp_path), preset)
+    built = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    auto = AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in TEXTS:
+        ids = built.encode(text).ids
+        assert auto(text).input_ids == ids, (type(auto).__name__, text)
+        assert auto.decode(ids) == built.decode(ids, skip_special_tokens=False) == text
+    assert auto.convert_tokens_to_ids("<|user|>") == built.token_to_id("<|user|>")

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from vllm_loraserve.process import SERVE_ENV
+
 from .server import vllm_server
 
 pytestmark = pytest.mark.e2e
@@ -15,7 +17,8 @@ EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
 
 
 def _run(*args: str) -> str:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # as on a fresh machine: every example sets what it needs
+    env = {k: v for k, v in os.environ.items() if k not in SERVE_ENV}
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -42,7 +42,8 @@ def sample_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def peft_solo(model_dir: str, init_dir: str, samples: list, optimizer: str, opt_kwargs: dict,
               samples_per_step: int):
     """Train one adapter alone with PEFT on `samples` in order, micro-batches of
-    `samples_per_step`; returns module path -> (A, B)."""
+    `samples_per_step` (the last one may be shorter: the mean over its own);
+    returns module path -> (A, B)."""
     from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
@@ -50,11 +51,12 @@ def peft_solo(model_dir: str, init_dir: str, samples: list, optimizer: str, opt_
     model = PeftModel.from_pretrained(base, init_dir, is_trainable=True)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = (torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW)(params, **opt_kwargs)
-    for start in range(0, len(samples) - samples_per_step + 1, samples_per_step):
-        for s in samples[start:start + samples_per_step]:
+    for start in range(0, len(samples), samples_per_step):
+        micro = samples[start:start + samples_per_step]
+        for s in micro:
             ids = torch.tensor([s.input_ids])
             loss = sample_loss(model(input_ids=ids).logits[0], torch.tensor(s.labels))
-            (loss / samples_per_step).backward()
+            (loss / len(micro)).backward()
         opt.step()
         opt.zero_grad()
     out = {}

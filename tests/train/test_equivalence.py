@@ -89,3 +89,24 @@ def test_mixed_training_matches_peft_solo(tiny_assets, qwen_assets, tmp_path, ar
         _, start = load_adapter(c.init_from)
         moved = max(float((want[p][1] - start[p][1].float()).abs().max()) for p in want)
         assert moved > 1e-3  # training moved the weights well beyond the tolerance
+
+
+def test_partial_accumulation_is_applied_at_the_end(tiny_assets, tmp_path):
+    """`flush` steps each adapter on the samples it holds short of its
+    samples_per_step, on their mean gradient: a solo PEFT run whose last
+    micro-batch is that short ends at the same weights."""
+    model_dir = os.path.join(tiny_assets, "model")
+    configs = _configs(model_dir, str(tmp_path), "sgd")
+    trainer, _, used, stepped = _train_mixed(model_dir, configs, steps=5, batch_size=4)
+    pending = {c.name: len(used[c.name]) - stepped[c.name] * c.samples_per_step
+               for c in configs}
+    assert pending == {"small": 0, "mid": 2, "large": 1}  # two short, of different sizes
+    assert trainer.flush() == {"mid": 2, "large": 1}
+    assert trainer.flush() == {}  # nothing held any more
+    for c in configs[1:]:
+        want = peft_solo(model_dir, c.init_from, used[c.name], "sgd", OPTIMIZERS["sgd"],
+                         c.samples_per_step)
+        got = trainer.adapter_weights(c.name)
+        for path, (a, b) in want.items():
+            torch.testing.assert_close(got[path][0], a, **TOLERANCE["sgd"])
+            torch.testing.assert_close(got[path][1], b, **TOLERANCE["sgd"])

@@ -78,26 +78,53 @@ PRESETS = {
 }
 
 
-def build_tokenizer(out_dir: str, vocab_size: int | None = None) -> int:
-    """Train a BPE tokenizer on `_CORPUS`; returns its vocab size.
+def _untrained_tokenizer(arch: str):
+    """An empty BPE tokenizer with the text pipeline (normalizer,
+    pre-tokenizer, decoder) that `AutoTokenizer` uses for `arch`.
+
+    transformers 5.x ignores the pipeline of a `qwen2` model's
+    tokenizer.json: `AutoTokenizer` builds `Qwen2Tokenizer` from its vocab and
+    merges alone, with Qwen2's byte-level pipeline. So a Qwen2 tokenizer is
+    trained with that very pipeline (taken from `Qwen2Tokenizer`, not copied),
+    and tokenizes the same whichever way it is loaded (a random Qwen2 may emit
+    a lone byte of a multi-byte character: it decodes to U+FFFD). Llama's tokenizer.json
+    is loaded as written: Metaspace (as SentencePiece) makes every token decode
+    to whole characters, so a random model's output is still printable text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    if arch == "qwen2":
+        from transformers import Qwen2Tokenizer
+
+        pipeline = Qwen2Tokenizer().backend_tokenizer
+        tok = Tokenizer(models.BPE())
+        tok.normalizer = pipeline.normalizer
+        tok.pre_tokenizer = pipeline.pre_tokenizer
+        tok.decoder = pipeline.decoder
+        return tok, pre_tokenizers.ByteLevel.alphabet()  # every byte: no <unk> at all
+    tok = Tokenizer(models.BPE(unk_token="<|unk|>"))
+    # "first": no space is made up after a special token (as Llama's own)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    return tok, ["\t", "\n", *map(chr, range(32, 127))]  # no <unk> for ASCII text
+
+
+def build_tokenizer(out_dir: str, vocab_size: int | None = None, arch: str = "llama") -> int:
+    """Train a BPE tokenizer on `_CORPUS` for a model of `arch`; returns its
+    vocab size.
 
     With `vocab_size`, filler tokens pad it to exactly that size: every id a
     model of that vocabulary can emit must decode (vLLM detokenizes each).
-
-    Metaspace pre-tokenization (as SentencePiece) makes every token decode to
-    whole characters, so a random model's output is still printable text.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE(unk_token="<|unk|>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
+    tok, alphabet = _untrained_tokenizer(arch)
     trainer = trainers.BpeTrainer(
         vocab_size=1024,
         min_frequency=2,
         special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=[chr(c) for c in range(32, 127)],  # no <unk> for ASCII text
+        initial_alphabet=alphabet,
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
@@ -175,7 +202,7 @@ def build_model(out_dir: str, preset: str = "tiny", seed: int = 0) -> None:
 
     p = PRESETS[preset]
     os.makedirs(out_dir, exist_ok=True)
-    vocab = build_tokenizer(out_dir, p.vocab_size)
+    vocab = build_tokenizer(out_dir, p.vocab_size, p.arch)
     tok = AutoTokenizer.from_pretrained(out_dir)
     special = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = _hf_config(p, vocab, special)

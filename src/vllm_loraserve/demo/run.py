@@ -130,8 +130,8 @@ def run_demo(a: Any) -> int:
     port = a.port or free_port()
     base_url = f"http://127.0.0.1:{port}"
     cmd = server_command(model_dir, os.path.join(assets, "adapters"), port)
-    print("$", " ".join(cmd))
     server = Server(cmd, os.path.join(workdir, "server.log"))
+    print("$", server.shell_line())
     print(f"server PID {server.proc.pid}, log {server.log_path}")
     try:
         server.wait_ready(base_url, a.startup_timeout)

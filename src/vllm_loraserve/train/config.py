@@ -61,7 +61,10 @@ class AdapterTrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     samples_per_step: int = 8
     """The adapter's optimizer steps once this many of its samples have been
-    accumulated (a mixed batch never holds samples past that boundary)."""
+    accumulated (a mixed batch never holds samples past that boundary), on
+    the mean of their losses, each sample's loss being the mean cross-entropy
+    over its completion tokens (not HF Trainer's mean over all the tokens).
+    The end of a run steps on the samples held, if fewer."""
 
     def __post_init__(self) -> None:
         try:

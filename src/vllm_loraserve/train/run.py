@@ -41,6 +41,10 @@ def run_training(model_dir: str, cfg: TrainConfig, out_dir: str, device: str = "
                 batch = trainer.compose(streams, cfg.batch_size)
                 result = trainer.step(batch)
                 samples += len(batch)
+                if step == cfg.steps and (pending := trainer.flush()):
+                    bar.write("last step: applied the partial accumulation of " + ", ".join(
+                        f"{n} ({k} of {trainer.configs[n].samples_per_step} samples)"
+                        for n, k in sorted(pending.items())))
                 bar.set_postfix({**{n: f"{v:.3f}" for n, v in sorted(result.losses.items())},
                                  "samples/s": f"{samples / (time.perf_counter() - start):.1f}"})
                 due_save = cfg.save_every and step % cfg.save_every == 0

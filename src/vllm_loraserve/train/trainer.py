@@ -10,7 +10,8 @@ gradient an adapter accumulates is the sum of its samples' gradients (times
 the sample's weight for that adapter, through the mixed forward). When
 adapter a has accumulated `samples_per_step` samples, its gradient is divided
 by that count and its optimizer steps: the gradient of the mean loss over
-that micro-batch, as a PEFT run on a's samples alone computes it. A batch
+that micro-batch, as a PEFT run on a's samples alone computes it (`flush`
+steps on fewer, divided by their number, when a run ends). A batch
 never holds a sample past an adapter's step boundary (`compose`), so every
 sample's gradient is taken at the weights a solo run would have then.
 
@@ -161,11 +162,20 @@ class MultiAdapterTrainer:
                           sum(batch.lengths[:batch.num_train]),
                           sum(len(g) for g in generated), times)
 
-    def _apply_updates(self) -> list[str]:
+    def flush(self) -> dict[str, int]:
+        """Step every adapter that holds fewer than its `samples_per_step`
+        samples (a run ends between two of its steps), on the mean gradient of
+        the samples it holds: as a solo run applies its last, short
+        micro-batch. Returns name -> that number of samples."""
+        pending = {n: k for n, k in self.accumulated.items() if k > 0}
+        self._apply_updates(partial=True)
+        return pending
+
+    def _apply_updates(self, partial: bool = False) -> list[str]:
         updated = []
         for name, params in self.params.items():
             n = self.accumulated[name]
-            if n < self.configs[name].samples_per_step:
+            if n == 0 or (n < self.configs[name].samples_per_step and not partial):
                 continue
             with torch.no_grad():
                 for p in params.parameters():
