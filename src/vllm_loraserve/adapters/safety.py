@@ -10,7 +10,7 @@ plugin server and the router alike:
   characters (so no path separator, `..` or control character), and not a
   served base model's name;
 - a path must resolve (symlinks and `..` followed) inside one of the
-  configured adapter roots.
+  configured adapter roots; the server shows paths relative to their root.
 """
 
 from __future__ import annotations
@@ -63,3 +63,19 @@ def resolve_under_roots(path: str, roots: Collection[str]) -> str:
             return real
     raise PathOutsideRoots(f"adapter path {path!r} (resolved: {real}) is outside the adapter "
                            f"roots {sorted(roots)}")
+
+
+def shown_path(path: str, roots: Collection[str]) -> str:
+    """An adapter's path as the server shows it to clients: relative to the
+    deepest of `roots` that holds it (as written, or with symlinks resolved),
+    else the adapter directory's name alone (a `--lora-modules` path). The
+    server's own directory layout is none of a client's business."""
+    for resolve in (os.path.abspath, os.path.realpath):
+        real = resolve(path)
+        holders = [r for r in map(resolve, roots) if os.path.commonpath([real, r]) == r]
+        if holders:
+            relative = os.path.relpath(real, max(holders, key=len))
+            if relative != ".":
+                return relative
+            break
+    return os.path.basename(os.path.normpath(path))
