@@ -26,7 +26,7 @@ def main() -> None:
     a = ap.parse_args()
     client = openai.OpenAI(base_url=f"{a.url}/v1", api_key="unused")
 
-    # The plugin's adapter listing: rank, targets, residency (disk/host/gpu), pages.
+    # The plugin's adapter listing: rank, targets, residency (disk/host/device), pages.
     adapters = httpx.get(f"{a.url}/loraserve/v1/adapters", timeout=30).json()["adapters"]
     ready = [x for x in adapters if x["status"] == "ready"]
     for x in adapters:
@@ -52,7 +52,8 @@ def main() -> None:
             print(chunk.choices[0].delta.content, end="", flush=True)
     print()
     listed = httpx.get(f"{a.url}/loraserve/v1/adapters/{adapter}", timeout=30).json()
-    print(f"{adapter} now resides on: {listed['residency']} ({listed.get('pages')} pages)")
+    print(f"{adapter} now resides on: {listed['residency']} ({listed['device_type']}, "
+          f"{listed.get('pages')} pages)")
 
 
 if __name__ == "__main__":

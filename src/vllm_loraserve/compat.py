@@ -105,9 +105,18 @@ CONTRACT: tuple[Symbol, ...] = (
     _s("vllm.engine.arg_utils:AsyncEngineArgs.add_cli_args", "parser",
        calls=("load_general_plugins", "EngineArgs.add_cli_args"),
        why="plugins load before the engine flags are added"),
+    _s("vllm.utils.argparse_utils:FlexibleArgumentParser.format_help", "self",
+       calls=("_search_keyword", "epilog"),
+       why="plain --help lists group titles only: the loraserve group is added"),
+    _s("vllm.utils.argparse_utils:FlexibleArgumentParser.parse_args", "self", "args",
+       calls=("Found duplicate keys",), why="repeatable flags are no duplicates"),
     # frontend/endpoint.py
     _p("vllm.plugins:load_endpoint_plugins", "supported_tasks", why="endpoint gate"),
     _s("vllm.envs:VLLM_PLUGINS", why="endpoint gate"),
+    _s("vllm.entrypoints.serve.utils.server_utils:AuthenticationMiddleware.__call__", "self",
+       "scope", calls=("GUARDED_PREFIX",), why="--api-key guards /loraserve/ as /v1"),
+    _s("vllm.entrypoints.serve.utils.server_utils:GUARDED_PREFIX",
+       why="--api-key guards /loraserve/ as /v1"),
     # frontend/serving.py
     _p(f"{_OSM}.load_lora_adapter", "self", "request", "base_model_name",
        why="checks before a runtime load"),
@@ -226,7 +235,7 @@ CONTRACT: tuple[Symbol, ...] = (
        attrs=("set_mapping", "input_size", "output_slices", "base_layer")),
     _s("vllm.lora.layers:LogitsProcessorWithLoRA", attrs=("hidden_size", "base_layer")),
     _s("vllm.lora.layers:VocabParallelEmbeddingWithLoRA", attrs=("base_layer",)),
-    _s("vllm.platforms:current_platform", attrs=("is_cpu",)),
+    _s("vllm.platforms:current_platform", attrs=("is_cpu", "device_type")),
     # worker/cpu_ops.py (`--loraserve-pool vllm` on CPU)
     *(_p(f"{m}:{op}", *_BGMV, why="CPU no-adapter fix")
       for m in ("vllm.lora.ops.torch_ops.lora_ops", "vllm.lora.punica_wrapper.punica_cpu")

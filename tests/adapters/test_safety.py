@@ -12,6 +12,7 @@ from vllm_loraserve.adapters.safety import (
     check_not_alias,
     resolve_adapter_under_roots,
     resolve_under_roots,
+    shown_path,
 )
 
 
@@ -112,3 +113,22 @@ def test_adapter_files_under_roots(tmp_path):
     # the directory's own check comes first, as resolve_under_roots does it
     with pytest.raises(PathOutsideRoots, match="no adapter root is configured"):
         resolve_adapter_under_roots(ok, [])
+
+
+def test_shown_paths_hide_the_server_layout(tmp_path):
+    """The listing shows a path relative to its (deepest) root; one under no
+    root shows its directory name only."""
+    root, nested, other = tmp_path / "root", tmp_path / "root" / "team", tmp_path / "other"
+    for d in (root / "a", nested / "b", other / "c"):
+        d.mkdir(parents=True)
+    os.symlink(root, tmp_path / "root-link")
+    roots = [str(root), str(nested)]
+    assert shown_path(str(root / "a"), roots) == "a"
+    assert shown_path(str(nested / "b"), roots) == "b"
+    assert shown_path(str(root / "a"), [str(tmp_path)]) == os.path.join("root", "a")
+    # written through a symlink to the root, or with `..`: still relative to it
+    assert shown_path(str(tmp_path / "root-link" / "a"), roots) == "a"
+    assert shown_path(str(other / ".." / "root" / "a"), roots) == "a"
+    assert shown_path(str(other / "c"), roots) == "c"
+    assert shown_path(str(root) + "/", roots) == "root"  # the root itself
+    assert shown_path(str(other / "c"), []) == "c"

@@ -34,7 +34,7 @@ def test_openai_client(tiny_assets, tmp_path):
                    "adapter-003-r64")
     assert "adapter-003-r64" in out and "[tiny]" in out
     assert "[adapter-003-r64] " in out and "[adapter-003-r64, streamed] " in out
-    assert "now resides on: gpu" in out
+    assert "now resides on: device" in out
 
 
 def test_offline_llm(tiny_assets):

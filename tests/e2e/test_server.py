@@ -104,8 +104,11 @@ def test_adapter_listing_fields(server, tiny_assets):
         assert (a["rank"], a["alpha"]) == (r["rank"], r["alpha"])
         assert a["target_modules"] == sorted(r["target_modules"])
         assert a["size_bytes"] == spec.size_bytes > 0
-        assert a["residency"] in ("disk", "host", "gpu")
+        assert a["residency"] in ("disk", "host", "device")
+        assert a["path"] == r["name"]  # relative to its --loraserve-adapter-dir
     assert listed["static-ok"]["source"] == "lora-modules"
+    assert listed["static-ok"]["path"] == "adapter-001-r16"
+    assert not [a for a in listed.values() if os.path.isabs(a["path"])]
     assert listed["static-bad"]["status"] == "invalid"
     for name, reason in EXPECTED_REASONS.items():
         assert listed[name]["status"] == "invalid" and reason in listed[name]["error"]
@@ -130,8 +133,8 @@ def test_residency_follows_use(server, tiny_assets):
     for name in (x, r64):
         assert _complete(server, name).status_code == 200
     listed = _adapters(server)
-    assert (listed[x]["residency"], listed[x]["pages"]) == ("gpu", _pages(tiny_assets, x)) == (
-        "gpu", 3)
+    assert (listed[x]["residency"], listed[x]["pages"]) == (
+        "device", _pages(tiny_assets, x)) == ("device", 3)
     assert listed[r64]["pages"] == _pages(tiny_assets, r64) == 17
     assert _complete(server, r128).status_code == 200
     listed = _adapters(server)
@@ -349,7 +352,7 @@ def test_refused_duplicate_load_keeps_the_served_entry(server, tiny_assets):
         "lora_name": "dup", "lora_path": f"{adapters}/adapter-000-r8"})
     assert r.status_code == 400 and r.json()["error"]["type"] == errors.ADAPTER_LOADED, r.text
     entry = _adapters(server)["dup"]
-    assert (entry["rank"], entry["path"]) == (64, f"{adapters}/adapter-003-r64")
+    assert (entry["rank"], entry["path"]) == (64, "adapter-003-r64")
     assert _complete(server, "dup").status_code == 200
     httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "dup"})
 
@@ -597,9 +600,10 @@ def test_per_adapter_metrics(server):
     assert after[("loraserve_adapter_load_seconds_count", (("tier", "host"),))] >= 2
     pages = {k: after[("loraserve_pool_pages", (("kind", k),))] for k in ("adapter", "total")}
     assert pages["total"] == 48 and 0 < pages["adapter"] <= 47
-    assert after[("loraserve_pool_page_events", (("event", "eviction"),))] > 0
+    assert after[("loraserve_pool_page_events_total", (("event", "eviction"),))] > 0
     assert 0 < after[("loraserve_pool_host_bytes", ())] <= HOST_BYTES
-    prefetch = {r: after[("loraserve_pool_prefetch", (("result", r),))] for r in ("hit", "miss")}
+    prefetch = {r: after[("loraserve_pool_prefetch_total", (("result", r),))]
+                for r in ("hit", "miss")}
     assert prefetch["hit"] + prefetch["miss"] == \
-        after[("loraserve_pool_page_events", (("event", "load"),))] and prefetch["hit"] > 0
+        after[("loraserve_pool_page_events_total", (("event", "load"),))] and prefetch["hit"] > 0
     assert _delta(after, before, "loraserve_adapter_wait_seconds_count") >= 3

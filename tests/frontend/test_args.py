@@ -3,9 +3,13 @@ through vLLM's own serve parser and EngineArgs."""
 
 from __future__ import annotations
 
+import logging
+import subprocess
+
 import pytest
 
 from vllm_loraserve.frontend import args as cli
+from vllm_loraserve.process import vllm_executable
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +34,50 @@ def test_flags_reach_additional_config(serve_parser, tmp_path):
                                      "--loraserve-adapter-dir", str(tmp_path),
                                      "--loraserve-adapter-dir", "/x"])
     assert ea.additional_config["loraserve"] == {"adapter_dirs": [str(tmp_path), "/x"]}
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def parser_log(serve_parser):
+    """What vLLM's argument parser logs (its logger does not propagate)."""
+    log = logging.getLogger(type(serve_parser).__module__)
+    records = _Records()
+    log.addHandler(records)
+    yield records.messages
+    log.removeHandler(records)
+
+
+def test_repeated_dir_flags_are_no_duplicates(serve_parser, parser_log, tmp_path):
+    """The README repeats --loraserve-adapter-dir; vLLM's parser warned about
+    it (Found duplicate keys). Other duplicates still get the warning."""
+    argv = ["m", "--plugin", "loraserve", "--enable-lora",
+            "--loraserve-adapter-dir", "/a", "--loraserve-adapter-dir", "/b",
+            "--loraserve-allowed-root", "/c", "--loraserve-allowed-root", "/d"]
+    ea = _engine_args(serve_parser, argv)
+    assert ea.additional_config["loraserve"] == {"adapter_dirs": ["/a", "/b"],
+                                                 "allowed_roots": ["/c", "/d"]}
+    assert not [m for m in parser_log if "duplicate" in m]
+    _engine_args(serve_parser, [*argv, "--max-model-len", "64", "--max-model-len", "128"])
+    assert [m for m in parser_log if "duplicate" in m] == ["Found duplicate keys --max-model-len"]
+
+
+def test_help_shows_the_plugin_flags():
+    """Plain --help of `vllm serve` lists group titles only; with the plugin
+    requested it also shows the loraserve flags, under the group's title."""
+    out = subprocess.run([vllm_executable(), "serve", "--plugin", "loraserve", "--help"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    section = out[out.index("\nvllm-loraserve:\n"):]
+    for flag in ("--plugin NAME", "--loraserve-adapter-dir", "--loraserve-pool {paged,vllm}"):
+        assert flag in section
+    assert section.index("--loraserve-adapter-dir") < section.index("For full list:")
 
 
 def test_without_plugin_nothing_changes(serve_parser):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import torch
 
@@ -36,8 +37,24 @@ def test_admit_valid_and_invalid(tmp_path):
     assert bad.spec is None and "rank 16" in bad.error
     assert cat.invalid_reason("big") == bad.error and cat.invalid_reason("ok") is None
     assert calls == [1]  # the model is asked once
-    assert cat.counts() == {"disk": 1, "host": 0, "gpu": 0, "invalid": 1}
-    assert bad.to_json()["status"] == "invalid" and ok.to_json()["rank"] == 4
+    assert cat.counts() == {"disk": 1, "host": 0, "device": 0, "invalid": 1}
+    assert bad.to_json([])["status"] == "invalid" and ok.to_json([])["rank"] == 4
+
+
+def test_listing_shows_paths_relative_to_their_root(tmp_path):
+    """The listing does not give away where adapters lie on the server: not
+    in `path`, not in an invalid adapter's error."""
+    cat, _ = _catalog()
+    root = tmp_path / "adapters"
+    ok = asyncio.run(cat.admit("ok", _adapter(root / "team" / "ok"), "runtime"))
+    os.remove(_adapter(root / "broken") + "/adapter_config.json")
+    bad = asyncio.run(cat.admit("broken", str(root / "broken"), "adapter-dir"))
+    assert str(root) in bad.error  # the log keeps the full path
+    assert ok.to_json([str(root)])["path"] == os.path.join("team", "ok")
+    shown = bad.to_json([str(root)])
+    assert shown["path"] == "broken" and str(tmp_path) not in shown["error"]
+    assert "adapter_config.json is missing in broken" in shown["error"]
+    assert ok.to_json([])["path"] == "ok"  # under no root: the directory's name
 
 
 def test_refused_replacement_keeps_served_version(tmp_path):
@@ -54,8 +71,8 @@ def test_residency_and_ids(tmp_path):
     for i, name in enumerate(["a", "b", "c"]):
         asyncio.run(cat.admit(name, _adapter(tmp_path / name), "adapter-dir"))
         cat.bind(name, i + 1)
-    cat.update_residency(gpu_ids=[1], host_ids=[2, 99])
-    assert [cat.entries[n].residency for n in "abc"] == ["gpu", "host", "disk"]
+    cat.update_residency(device_ids=[1], host_ids=[2, 99])
+    assert [cat.entries[n].residency for n in "abc"] == ["device", "host", "disk"]
     assert cat.name_of(2) == "b" and cat.name_of(99) is None
     assert cat.orphans == [{"lora_int_id": 99, "name": None, "residency": "host"}]
     cat.forget("b")
@@ -66,11 +83,11 @@ def test_resident_copies_of_unloaded_adapters_are_orphans(tmp_path):
     cat, _ = _catalog()
     asyncio.run(cat.admit("a", _adapter(tmp_path / "a"), "runtime"))
     cat.bind("a", 1)
-    cat.update_residency(gpu_ids=[1], host_ids=[], pages={1: 3})
+    cat.update_residency(device_ids=[1], host_ids=[], pages={1: 3})
     assert cat.orphans == []
     cat.forget("a")
-    cat.update_residency(gpu_ids=[1], host_ids=[], pages={1: 3})
-    assert cat.orphans == [{"lora_int_id": 1, "name": "a", "residency": "gpu", "pages": 3}]
+    cat.update_residency(device_ids=[1], host_ids=[], pages={1: 3})
+    assert cat.orphans == [{"lora_int_id": 1, "name": "a", "residency": "device", "pages": 3}]
 
 
 def test_line_locks_serialise_one_key_and_are_dropped_after_use():

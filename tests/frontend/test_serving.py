@@ -98,5 +98,5 @@ def test_start_up_logs_each_invalid_adapter_with_its_reason_capped(tmp_path, cap
     assert messages[-1] == "... and 5 more invalid adapters"
     catalog = catalog_of(models)
     assert sorted(models.lora_requests) == ["good-0", "good-1", "good-2"]
-    assert catalog.entries["a-file-link"].to_json()["status"] == "invalid"
+    assert catalog.entries["a-file-link"].to_json([])["status"] == "invalid"
     assert catalog.counts()["invalid"] == n_bad

@@ -164,7 +164,7 @@ def test_plugin_server_matches_stock_server(assets, tmp_path):
     assert bad.status_code == 400 and "rank 256" in results["bad_adapter"]["message"]
     # The pool has no slot cap: all six adapters stay in KV pages, each at its rank.
     pages = {n: residency[n].get("pages") for n in names}
-    assert all(residency[n]["residency"] == "gpu" for n in names), results["residency"]
+    assert all(residency[n]["residency"] == "device" for n in names), results["residency"]
     by_rank = {r.rank: pages[r.name] for r in records}
     assert all(by_rank[a] < by_rank[b] for a, b in itertools.pairwise(sorted(by_rank)))
     assert all(requests[n] == len(PROMPTS) for n in names)

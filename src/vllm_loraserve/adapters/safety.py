@@ -22,7 +22,8 @@ plugin server and the router alike:
 - a path must resolve (symlinks and `..` followed) inside one of the
   configured adapter roots, and so must every file and directory in it
   (`resolve_adapter_under_roots`): a symlinked file would otherwise be read,
-  or copied to other engines, from anywhere.
+  or copied to other engines, from anywhere; the server shows paths relative
+  to their root.
 """
 
 from __future__ import annotations
@@ -120,3 +121,19 @@ def resolve_adapter_under_roots(path: str, roots: Collection[str]) -> str:
                 seen.add(target)
                 todo.append((target, rel))
     return real
+
+
+def shown_path(path: str, roots: Collection[str]) -> str:
+    """An adapter's path as the server shows it to clients: relative to the
+    deepest of `roots` that holds it (as written, or with symlinks resolved),
+    else the adapter directory's name alone (a `--lora-modules` path). The
+    server's own directory layout is none of a client's business."""
+    for resolve in (os.path.abspath, os.path.realpath):
+        real = resolve(path)
+        holders = [r for r in map(resolve, roots) if os.path.commonpath([real, r]) == r]
+        if holders:
+            relative = os.path.relpath(real, max(holders, key=len))
+            if relative != ".":
+                return relative
+            break
+    return os.path.basename(os.path.normpath(path))

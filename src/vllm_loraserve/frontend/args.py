@@ -7,6 +7,11 @@ general plugins before it calls `EngineArgs.add_cli_args`
 `additional_config["loraserve"]`, which travels inside `VllmConfig` to the
 engine core and every worker. `EngineArgs.create_engine_config` is where the
 plugin activates, for the CLI and for Python users alike.
+
+vLLM's parser (`FlexibleArgumentParser`, vllm/utils/argparse_utils.py) shows
+only group titles under plain `--help`, and warns about any flag given twice;
+`add_arguments` makes it show our group's flags and accept our repeatable
+ones.
 """
 
 from __future__ import annotations
@@ -42,7 +47,60 @@ def _dest(f: dataclasses.Field) -> str:
     return f.metadata["flag"].lstrip("-").replace("-", "_")
 
 
+def _repeatable_flags() -> frozenset[str]:
+    return frozenset(f.metadata["flag"] for f in _flag_fields()
+                     if f.metadata.get("action") == "append")
+
+
+class _RepeatableFlags(logging.Filter):
+    """Drops our repeatable flags from vLLM's "Found duplicate keys" warning
+    (`FlexibleArgumentParser.parse_args` counts every flag given twice);
+    other duplicates are still reported."""
+
+    MESSAGE = "Found duplicate keys %s"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != self.MESSAGE or len(record.args or ()) != 1:
+            return True
+        keys = [k for k in str(record.args[0]).split(", ") if k not in _repeatable_flags()]
+        record.args = (", ".join(keys),)
+        return bool(keys)
+
+
+def _accept_repeated_flags(parser: argparse.ArgumentParser) -> None:
+    log = logging.getLogger(type(parser).__module__)
+    if not any(isinstance(f, _RepeatableFlags) for f in log.filters):
+        log.addFilter(_RepeatableFlags())
+
+
+def _show_in_help(parser: argparse.ArgumentParser, group: argparse._ArgumentGroup) -> None:
+    """Plain `--help` of vLLM's parser lists group titles only (its
+    `format_help`); someone who typed `--plugin loraserve --help` gets this
+    group's flags too, before the epilog. `--help=<group|flag|all>` is vLLM's."""
+    format_help = parser.format_help
+
+    def with_group() -> str:
+        if getattr(parser, "_search_keyword", None) is not None:
+            return format_help()
+        epilog, parser.epilog = parser.epilog, None
+        try:
+            text = format_help()
+        finally:
+            parser.epilog = epilog
+        formatter = parser._get_formatter()
+        formatter.start_section(group.title)
+        formatter.add_text(group.description)
+        formatter.add_arguments(group._group_actions)
+        formatter.end_section()
+        formatter.add_text(epilog)
+        return f"{text}\n{formatter.format_help()}"
+
+    parser.format_help = with_group  # this parser only
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
     group = parser.add_argument_group(
         "vllm-loraserve", "Options of the loraserve plugin (need --plugin loraserve)."
     )
@@ -61,6 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             extra["choices"] = f.metadata["choices"]
         group.add_argument(f.metadata["flag"], dest=_dest(f), default=None,
                            help=f.metadata["help"], **extra)
+    if isinstance(parser, FlexibleArgumentParser):
+        _show_in_help(parser, group)
+        _accept_repeated_flags(parser)
 
 
 def config_from_args(

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import os
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +32,14 @@ from vllm_loraserve.adapters.peft import (
     check_finite_weights,
     inspect_adapter,
 )
+from vllm_loraserve.adapters.safety import shown_path
 from vllm_loraserve.worker.residency import MAX_BUFFERED_EVENTS
 
-RESIDENCIES = ("disk", "host", "gpu")
+# Where an adapter's weights are: only its files (disk), read into host
+# memory (host), or where the kernels read them (device: vLLM's slots or the
+# pool's pages, in GPU memory on CUDA and in RAM on a CPU machine, so the
+# listing gives the device type beside it).
+RESIDENCIES = ("disk", "host", "device")
 # A worker buffers at most this many load events, so no older id can still
 # have events to name.
 MAX_RETIRED_IDS = MAX_BUFFERED_EVENTS
@@ -52,10 +57,13 @@ class AdapterEntry:
     pages: int | None = None  # pages held in the paged pool, when resident there
     weights_checked: bool = False  # tensors read for NaN/Inf (check_finite_weights)
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": self.name, "path": self.path, "source": self.source}
+    def to_json(self, roots: Collection[str]) -> dict[str, Any]:
+        """The entry for clients: paths relative to the adapter `roots`
+        (adapters/safety.py `shown_path`), also inside the error."""
+        path = shown_path(self.path, roots)
+        out: dict[str, Any] = {"name": self.name, "path": path, "source": self.source}
         if self.spec is None:
-            return {**out, "status": "invalid", "error": self.error}
+            return {**out, "status": "invalid", "error": self.error.replace(self.path, path)}
         s = self.spec
         return {
             **out,
@@ -209,19 +217,19 @@ class AdapterCatalog:
                 self._retired.popitem(last=False)
         return entry
 
-    def update_residency(self, gpu_ids: list[int], host_ids: list[int],
+    def update_residency(self, device_ids: list[int], host_ids: list[int],
                          pages: dict[int, int] | None = None) -> None:
-        """Tiers from a worker snapshot; `pages` (paged pool only) per GPU id."""
-        gpu, host, pages = set(gpu_ids), set(host_ids), pages or {}
+        """Tiers from a worker snapshot; `pages` (paged pool only) per device id."""
+        device, host, pages = set(device_ids), set(host_ids), pages or {}
         for entry in self.entries.values():
             i = entry.lora_int_id
-            entry.residency = "gpu" if i in gpu else "host" if i in host else "disk"
-            entry.pages = pages.get(i) if i in gpu else None
+            entry.residency = "device" if i in device else "host" if i in host else "disk"
+            entry.pages = pages.get(i) if i in device else None
         bound = {e.lora_int_id for e in self.entries.values()}
         self.orphans = [{"lora_int_id": i, "name": self.name_of(i),
-                         "residency": "gpu" if i in gpu else "host",
+                         "residency": "device" if i in device else "host",
                          **({"pages": pages[i]} if i in pages else {})}
-                        for i in sorted((gpu | host) - bound)]
+                        for i in sorted((device | host) - bound)]
 
     def name_of(self, lora_int_id: int) -> str | None:
         """The adapter name of an engine-side id, also after its unload."""

@@ -2,9 +2,10 @@
 
 Routes:
 - `GET /loraserve/v1/adapters`: every known adapter with rank, alpha, target
-  modules, size and where it resides now (disk / host / gpu), invalid ones
-  with the reason; `orphans`: copies on the worker that no listed adapter
-  owns (an unloaded one's, while a request it admitted still runs);
+  modules, size, its path relative to its adapter root and where it resides
+  now (disk / host / device, with the device type), invalid ones with the
+  reason; `orphans`: copies on the worker that no listed adapter owns (an
+  unloaded one's, while a request it admitted still runs);
 - `GET /loraserve/v1/adapters/{name}`: one of them (404 if unknown);
 - `GET /loraserve/v1/model`: the rank limit, module paths and shapes adapters
   are checked against.
@@ -12,6 +13,10 @@ Routes:
 vLLM loads endpoint plugins only when `VLLM_PLUGINS` names them. `--plugin
 loraserve` is that explicit opt-in, so `install_gate` adds this plugin to
 vLLM's list when the plugin is active in this process.
+
+With `--api-key` (or `VLLM_API_KEY`) these routes need the key as `/v1` does:
+vLLM's own check guards them (`_guard_with_api_key`). `/metrics` stays open,
+as vLLM leaves it.
 
 Residency and load events live in the workers; `_refresh` pulls them over
 `collective_rpc` when the adapter list or `/metrics` is read.
@@ -32,7 +37,38 @@ from vllm_loraserve.frontend.metrics import metrics
 
 logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
 
-router = APIRouter(prefix="/loraserve/v1")
+GUARDED_PREFIX = "/loraserve/"
+router = APIRouter(prefix=f"{GUARDED_PREFIX}v1")
+# The workers' snapshot (`loraserve_residency`) names the tier the kernels
+# read "gpu", also on a CPU machine; offline scripts read that key, so the
+# snapshot keeps it and clients see the tier as "device" (catalog.RESIDENCIES).
+_TIER_OF_SNAPSHOT = {"host": "host", "gpu": "device"}
+
+
+def _guard_with_api_key() -> None:
+    """vLLM's `AuthenticationMiddleware` (vllm/entrypoints/serve/utils/
+    server_utils.py), installed when a key is given, checks only paths under
+    its module's `GUARDED_PREFIX` (`/v1`, ...). Our prefix joins that tuple,
+    so these routes need the key exactly when `/v1` does, with vLLM's check
+    and its 401."""
+    import sys
+
+    from vllm.entrypoints.serve.utils.server_utils import AuthenticationMiddleware
+
+    module = sys.modules[AuthenticationMiddleware.__module__]
+    if GUARDED_PREFIX not in module.GUARDED_PREFIX:
+        module.GUARDED_PREFIX = (*module.GUARDED_PREFIX, GUARDED_PREFIX)
+
+
+def _roots() -> list[str]:
+    cfg = cli_args.active_config()
+    return [*cfg.adapter_dirs, *cfg.allowed_roots]
+
+
+def _device_type() -> str:
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type
 
 
 async def _refresh(state: Any) -> None:
@@ -40,7 +76,7 @@ async def _refresh(state: Any) -> None:
     catalog = serving.catalog_of(state.openai_serving_models)
     snapshot = (await state.engine_client.collective_rpc("loraserve_residency"))[0]
     catalog.update_residency(snapshot["gpu"], snapshot["host"], snapshot.get("pages"))
-    events = [(catalog.name_of(i) or f"lora-id-{i}", tier, seconds)
+    events = [(catalog.name_of(i) or f"lora-id-{i}", _TIER_OF_SNAPSHOT[tier], seconds)
               for i, tier, seconds in snapshot["events"]]
     m = metrics()
     m.record_loads(events, snapshot["dropped_events"])
@@ -63,10 +99,12 @@ async def list_adapters(raw_request: Request) -> JSONResponse:
     except Exception as e:  # a dead engine must not turn this into a traceback
         return _engine_unavailable(e)
     catalog = serving.catalog_of(state.openai_serving_models)
+    roots = _roots()
     return JSONResponse({
-        "adapters": [e.to_json() for _, e in sorted(catalog.entries.items())],
+        "adapters": [e.to_json(roots) for _, e in sorted(catalog.entries.items())],
         "counts": catalog.counts(),
         "orphans": catalog.orphans,
+        "device_type": _device_type(),
     })
 
 
@@ -93,7 +131,7 @@ async def get_adapter(name: str, raw_request: Request) -> JSONResponse:
     if entry is None:
         return JSONResponse(status_code=404, content={"error": {
             "message": f"unknown LoRA adapter '{name}'", "type": "NotFoundError", "code": 404}})
-    return JSONResponse(entry.to_json())
+    return JSONResponse({**entry.to_json(_roots()), "device_type": _device_type()})
 
 
 class LoraServeEndpoint:
@@ -108,8 +146,10 @@ class LoraServeEndpoint:
                            "for this server (add --plugin loraserve); no routes added")
             return
         serving.install()
+        _guard_with_api_key()
         app.include_router(router)
 
+        # vLLM serves /metrics without the API key; the refresh follows it.
         @app.middleware("http")
         async def refresh_before_metrics(request: Request, call_next):
             if request.url.path.rstrip("/") == "/metrics":

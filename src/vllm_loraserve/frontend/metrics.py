@@ -9,6 +9,8 @@ Two sources feed them, both in the API server process:
   comma-joined names.
 - adapter loads and residency: workers time their loads (worker/residency.py);
   `frontend/endpoint.py` drains those events when `/metrics` is scraped.
+  Totals the workers keep since start (pool page loads, prefetch results,
+  dropped events) are counters here too: each scrape adds what they grew by.
 
 Every adapter is one label value; requests without an adapter are counted
 under the served base model name.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from vllm.v1.engine import FinishReason
 from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -40,62 +42,77 @@ class _Tally:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        r = registry
         self.requests = Counter(
             "loraserve_adapter_requests", "Finished requests per adapter.",
-            ["adapter", "finished_reason"])
+            ["adapter", "finished_reason"], registry=r)
         self.prompt_tokens = Counter(
-            "loraserve_adapter_prompt_tokens", "Prompt tokens per adapter.", ["adapter"])
+            "loraserve_adapter_prompt_tokens", "Prompt tokens per adapter.", ["adapter"],
+            registry=r)
         self.generation_tokens = Counter(
             "loraserve_adapter_generation_tokens", "Generated tokens per adapter.",
-            ["adapter"])
+            ["adapter"], registry=r)
         self.loads = Counter(
             "loraserve_adapter_loads",
             "Adapter loads per adapter and tier (host: disk to host memory; "
-            "gpu: host memory to device slots or pool pages).", ["adapter", "tier"])
+            "device: host memory to the slots or pool pages the kernels read).",
+            ["adapter", "tier"], registry=r)
         self.load_seconds = Histogram(
-            "loraserve_adapter_load_seconds", "Adapter load latency.", ["tier"],
+            "loraserve_adapter_load_seconds", "Adapter load latency.", ["tier"], registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
         self.adapters = Gauge(
-            "loraserve_adapters", "Known adapters by state (disk, host, gpu, invalid).",
-            ["state"])
-        self.dropped_load_events = Gauge(
+            "loraserve_adapters", "Known adapters by state (disk, host, device, invalid).",
+            ["state"], registry=r)
+        self.dropped_load_events = Counter(
             "loraserve_adapter_load_events_dropped",
             "Load events a worker dropped because /metrics was not scraped in time "
-            "(the load counters undercount by this much).")
-        # The paged pool, as the worker last reported it (gauges: the worker
-        # owns the counts, a scrape only copies them).
+            "(the load counters undercount by this much).", registry=r)
+        # The paged pool, as the worker last reported it.
         self.pool_pages = Gauge(
             "loraserve_pool_pages",
             "KV cache pages of the paged pool: held by adapters, and in total (the rest "
-            "hold KV or are free).", ["kind"])
-        self.pool_events = Gauge(
+            "hold KV or are free).", ["kind"], registry=r)
+        self.pool_events = Counter(
             "loraserve_pool_page_events",
-            "Adapter page loads (host tier to KV pages) and evictions since start; "
-            "load_ahead: the loads among them made for waiting requests before their "
-            "admission (copied beside a step's forward pass on a GPU).", ["event"])
+            "Adapter page loads (host tier to KV pages) and evictions; load_ahead: the "
+            "loads among them made for waiting requests before their admission (copied "
+            "beside a step's forward pass on a GPU).", ["event"], registry=r)
         self.pool_host_bytes = Gauge(
-            "loraserve_pool_host_bytes", "Bytes of adapters held in the pool's host tier.")
-        self.pool_prefetch = Gauge(
+            "loraserve_pool_host_bytes", "Bytes of adapters held in the pool's host tier.",
+            registry=r)
+        self.pool_prefetch = Counter(
             "loraserve_pool_prefetch",
-            "Adapter page loads since start whose adapter was already in the host tier "
-            "(hit: read ahead or kept) or had to be read during the step (miss).",
-            ["result"])
+            "Adapter page loads whose adapter was already in the host tier (hit: read "
+            "ahead or kept) or had to be read during the step (miss).", ["result"],
+            registry=r)
         self.adapter_wait_seconds = Histogram(
             "loraserve_adapter_wait_seconds",
             "Time a request waited in the queue for its adapter to be read into the host "
-            "tier (0 when it was ready), per admitted request with an adapter.",
+            "tier (0 when it was ready), per admitted request with an adapter.", registry=r,
             buckets=(0.0, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        # The worker's last totals per counter series, to add what they grew by.
+        self._totals: dict[tuple[Counter, tuple[str, ...]], int] = {}
+
+    def _advance(self, counter: Counter, total: int, *labels: str) -> None:
+        """Bring `counter` up to a total the worker counts since its start
+        (a smaller total than the last one: the worker started over)."""
+        last = self._totals.get((counter, labels), 0)
+        self._totals[counter, labels] = total
+        grown = total - last if total >= last else total
+        series = counter.labels(*labels) if labels else counter  # listed from 0 on
+        if grown:
+            series.inc(grown)
 
     def set_pool(self, pool: dict[str, int]) -> None:
         self.pool_pages.labels("adapter").set(pool["adapter_pages"])
         self.pool_pages.labels("total").set(pool["total_pages"])
-        self.pool_events.labels("load").set(pool["page_loads"])
-        self.pool_events.labels("eviction").set(pool["page_evictions"])
-        self.pool_events.labels("load_ahead").set(pool["page_loads_ahead"])
+        self._advance(self.pool_events, pool["page_loads"], "load")
+        self._advance(self.pool_events, pool["page_evictions"], "eviction")
+        self._advance(self.pool_events, pool["page_loads_ahead"], "load_ahead")
         self.pool_host_bytes.set(pool["host_bytes"])
-        self.pool_prefetch.labels("hit").set(pool["prefetch_hits"])
-        self.pool_prefetch.labels("miss").set(pool["prefetch_misses"])
+        self._advance(self.pool_prefetch, pool["prefetch_hits"], "hit")
+        self._advance(self.pool_prefetch, pool["prefetch_misses"], "miss")
 
     def record_waits(self, seconds: list[float]) -> None:
         for s in seconds:
@@ -105,7 +122,7 @@ class Metrics:
         for adapter, tier, seconds in events:
             self.loads.labels(adapter, tier).inc()
             self.load_seconds.labels(tier).observe(seconds)
-        self.dropped_load_events.set(dropped)
+        self._advance(self.dropped_load_events, dropped)
 
     def set_states(self, counts: dict[str, int]) -> None:
         for state, n in counts.items():
