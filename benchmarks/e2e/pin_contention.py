@@ -7,14 +7,17 @@ thread launches small kernels in a loop and times them, while reader threads
 allocate and fill pinned buffers as the host tier does (each a new ~100 MB
 block: `torch.empty(pin_memory=True)` under the allocator settings the plugin
 sets, or under torch's default cudaHostAlloc; new blocks stay allocated, as
-in a filling tier). A third case copies into buffers carved from one block
-pinned before the loop: the arena design. Launch time is measured while the
+in a filling tier). A third case is the host tier's arena (worker/arena.py,
+`PinnedArena.for_budget` for two buffers per reader, pinned before the loop
+under the plugin's allocator settings): each read takes an extent, fills it
+and frees it, so no reader pins anything. Launch time is measured while the
 readers run.
 
-    python benchmarks/e2e/pin_contention.py --out pin.json
+    PYTHONPATH=src python benchmarks/e2e/pin_contention.py --out pin.json
 
-Needs torch on a CUDA device; vLLM is not used. Each case runs in a fresh
-process, since the pinned allocator's settings are read once per process.
+Needs torch on a CUDA device and this repository's src/ (for the arena); vLLM
+is not used. Each case runs in a fresh process, since the pinned allocator's
+settings are read once per process.
 """
 
 from __future__ import annotations
@@ -31,34 +34,41 @@ CASES = {
     "idle": "",  # no readers: the launches' own cost
     "register": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
     "hostalloc": "",  # torch's default pinned allocator (cudaHostAlloc)
-    "arena": "",  # one block pinned up front; readers only copy into it
+    # The worker's arena, pinned up front as the plugin pins; readers only copy.
+    "arena": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
 }
 
 
 def child(case: str, readers: int, buf_mb: int, total_gb: float) -> dict:
     import torch
 
+    from vllm_loraserve.worker.arena import PinnedArena
+
     dev = torch.device("cuda")
     x = torch.zeros(1024, device=dev)
     n = buf_mb << 20
     per_reader = max(1, int(total_gb * (1 << 30) / n / readers))
-    arena = (torch.empty(readers * 2 * n, dtype=torch.uint8, pin_memory=True)
+    arena = (PinnedArena.for_budget(readers * 2 * n, n, pinned=True)
              if case == "arena" else None)
+    lock = threading.Lock()  # the arena is the host tier's, used under its lock
     src = torch.ones(n, dtype=torch.uint8)  # "the file"
     kept: list = []  # new blocks stay allocated, as in a filling tier
 
-    def reader(i: int) -> None:
-        for turn in range(per_reader):
+    def reader() -> None:
+        for _ in range(per_reader):
             if arena is None:
                 buf = torch.empty(n, dtype=torch.uint8, pin_memory=True)
                 kept.append(buf)
-            else:
-                off = (2 * i + turn % 2) * n
-                buf = arena[off:off + n]
-            buf.copy_(src)
+                buf.copy_(src)
+                continue
+            with lock:
+                extent = arena.alloc(n)
+            arena.view(extent, n).copy_(src)
+            with lock:
+                arena.free(extent)
 
-    threads = [] if case == "idle" else [threading.Thread(target=reader, args=(i,))
-                                         for i in range(readers)]
+    threads = [] if case == "idle" else [threading.Thread(target=reader)
+                                         for _ in range(readers)]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for t in threads:

@@ -67,8 +67,10 @@ class LoraServeConfig:
         "Byte budget of the paged pool's host tier (per worker): adapters read "
         "from disk are kept in host memory, least recently used evicted first "
         "(those waiting requests still need last), and re-read from disk when "
-        "needed again. Pinned buffers count at their allocated size (a power of "
-        "two). 0: a quarter of the machine's memory, at most 32 GiB.",
+        "needed again. The tier's memory is allocated (pinned, on a GPU) at "
+        "start-up, in chunks of 256 MiB or the power of two that holds the "
+        "largest adapter: the budget rounded down to whole chunks, at least "
+        "one. 0: a quarter of the machine's memory, at most 32 GiB.",
         flag="--loraserve-host-cache-bytes",
     )
     read_threads: int = _opt(

@@ -87,10 +87,11 @@ def _refuse_or_warn(message: str, wanted: bool) -> None:
     logger.warning("%s", message)
 
 
-# The host tier pins every adapter it reads. Pinned blocks made by malloc and
-# cudaHostRegister on 8 threads instead of cudaHostAlloc: on the H200 machine,
-# 4 readers into new pinned blocks reached 7.9 GB/s instead of 2.5 GB/s
-# (benchmarks/e2e/read_path.py; docs/benchmarks/e2e.md, session 5).
+# The host tier's arena (worker/arena.py, up to 32 GiB) is pinned at start-up.
+# Pinned blocks made by malloc and cudaHostRegister on 8 threads instead of
+# cudaHostAlloc: on the H200 machine, 4 readers into new pinned blocks reached
+# 7.9 GB/s instead of 2.5 GB/s (benchmarks/e2e/read_path.py;
+# docs/benchmarks/e2e.md, session 5).
 PINNED_ALLOC_CONF = {"pinned_use_cuda_host_register": "True", "pinned_num_register_threads": "8"}
 # Torch versions differ in which name they read first; both are kept in step.
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")

@@ -22,10 +22,10 @@ def main() -> None:
     others_done = threading.Event()
     read_file = PagedWorkerLoRAManager._read_file
 
-    def stalled_read(self, lora_request):
+    def stalled_read(self, lora_request, alloc):
         if lora_request.lora_name == spec["slow"]:
             others_done.wait(timeout=60)
-        return read_file(self, lora_request)
+        return read_file(self, lora_request, alloc)
 
     PagedWorkerLoRAManager._read_file = stalled_read
     llm = LLM(model=spec["model"], dtype="float32", enable_lora=True, seed=0, max_model_len=256,

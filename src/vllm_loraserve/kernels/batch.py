@@ -26,14 +26,32 @@ import torch
 from vllm_loraserve.paging.layout import AdapterPlacement, LayerLayout
 
 
-def to_device(values: Sequence[int], dtype: torch.dtype,
-              device: torch.device | str) -> torch.Tensor:
-    """A small host list on `device` without waiting for the device: from
-    pinned memory, copied asynchronously (a pageable copy would make the
-    host wait for every kernel already queued; torch keeps the pinned block
-    until its copy is done)."""
-    cuda = torch.device(device).type == "cuda"
-    return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=True)
+class RowStaging:
+    """Pinned host rows, one per slot, that `SlotTable.write` copies from
+    asynchronously (a pageable copy would make the host wait for every
+    kernel already queued). Allocated with the table: a pinned tensor per
+    write would pin a new block (`cudaHostRegister`, milliseconds, stalling
+    the engine's launches) whenever a step's writes outnumber the free
+    blocks of torch's pinned allocator. A row is rewritten only once its
+    last copy is done."""
+
+    def __init__(self, slots: int, width: int) -> None:
+        self.rows = torch.zeros(slots, width, dtype=torch.int32, pin_memory=True)
+        self._copied: list[torch.cuda.Event | None] = [None] * slots
+
+    def fill(self, slot: int, values: Sequence[int]) -> torch.Tensor:
+        done = self._copied[slot]
+        if done is not None:
+            done.synchronize()
+        row = self.rows[slot, :len(values)]
+        row.numpy()[:] = values
+        return row
+
+    def issued(self, slot: int) -> None:
+        """The row's copies are queued on the current stream."""
+        event = self._copied[slot] or torch.cuda.Event()
+        event.record()
+        self._copied[slot] = event
 
 
 @dataclass(frozen=True)
@@ -42,6 +60,7 @@ class SlotTable:
     seg_offsets: torch.Tensor  # [S, num_segments] int32; -1 where not targeted
     pages: torch.Tensor  # [S, max_pages] int32
     max_rank: int  # the largest rank any slot may hold (bounds kernel grids)
+    staging: RowStaging | None = None  # `write`'s host rows, on a CUDA device
 
     @classmethod
     def build(
@@ -76,24 +95,28 @@ class SlotTable:
               device: torch.device | str = "cpu") -> SlotTable:
         """A persistent table of `max_slots` empty slots, filled in place by
         `write` and `clear` (CUDA graphs keep its addresses)."""
+        cuda = torch.device(device).type == "cuda"
         return cls(torch.zeros(max_slots, dtype=torch.int32, device=device),
                    torch.full((max_slots, layout.num_segments), -1, dtype=torch.int32,
                               device=device),
                    torch.zeros(max_slots, max_pages, dtype=torch.int32, device=device),
-                   max_rank)
+                   max_rank,
+                   RowStaging(max_slots, 1 + layout.num_segments + max_pages) if cuda else None)
 
     def write(self, slot: int, placement: AdapterPlacement, page_ids: Sequence[int]) -> None:
         if placement.rank > self.max_rank or len(page_ids) > self.pages.shape[1]:
             raise ValueError(f"slot {slot}: rank {placement.rank} in {len(page_ids)} pages "
                              f"exceeds the table (rank {self.max_rank}, "
                              f"{self.pages.shape[1]} pages)")
-        # One host-to-device copy for the whole row, split on the device.
         segs = len(placement.seg_offsets)
-        row = to_device([placement.rank, *placement.seg_offsets, *page_ids], torch.int32,
-                        self.rank.device)
-        self.rank[slot:slot + 1].copy_(row[:1])
-        self.seg_offsets[slot].copy_(row[1:1 + segs])
-        self.pages[slot, :len(page_ids)].copy_(row[1 + segs:])
+        values = [placement.rank, *placement.seg_offsets, *page_ids]
+        row = (torch.tensor(values, dtype=torch.int32) if self.staging is None
+               else self.staging.fill(slot, values))
+        self.rank[slot:slot + 1].copy_(row[:1], non_blocking=True)
+        self.seg_offsets[slot].copy_(row[1:1 + segs], non_blocking=True)
+        self.pages[slot, :len(page_ids)].copy_(row[1 + segs:], non_blocking=True)
+        if self.staging is not None:
+            self.staging.issued(slot)
 
     def clear(self, slot: int) -> None:
         self.rank[slot] = 0

@@ -44,3 +44,12 @@ def model_layout(text_config: Any, page_size: int) -> LayerLayout:
 def module_slice_names(short_name: str) -> tuple[str, ...]:
     """PEFT slice names computed by the vLLM LoRA layer `short_name`."""
     return PACKED.get(short_name, (short_name,))
+
+
+def max_file_bytes(text_config: Any, rank: int) -> int:
+    """The most bytes of tensors a PEFT weights file of rank `rank` holds for
+    the pool (the host tier's arena sizes its chunks by it): A [rank, in] and
+    B [out, rank] of every decoder slice in every layer, in float32 (the
+    widest dtype adapters/peft.py reads)."""
+    per_layer = sum(s.in_features + s.out_features for s in decoder_slices(text_config))
+    return text_config.num_hidden_layers * rank * per_layer * 4

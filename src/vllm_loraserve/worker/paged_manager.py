@@ -10,12 +10,13 @@ warm-up calls). Differences from vLLM:
   punica wrapper, which computes from KV pages (worker/pool.py).
 - Residency is decided by the scheduler (scheduler/pages.py); `apply_step`
   carries out its `PoolStep` before each forward pass.
-- Loaded adapters are kept, as their weights files hold them, in a byte-bounded host tier
-  (worker/host_cache.py), filled by `read_threads` background readers from
-  the scheduler's prefetch hints (and by a runtime `add_lora`). A hint is
-  read only when the tier has room beside the entries waiting requests still
-  need (`PoolStep.keep`), so read-ahead never evicts what it read for the
-  queue before those requests are admitted. Each step's
+- Loaded adapters are kept, as their weights files hold them, in the host
+  tier (worker/host_tier.py: one arena allocated, and pinned on a GPU, here
+  at start-up; nothing is pinned while serving), filled by `read_threads`
+  background readers from the scheduler's prefetch hints (and by a runtime
+  `add_lora`). A hint is read only when the tier has room beside the entries
+  waiting requests still need (`PoolStep.keep`), so read-ahead never evicts
+  what it read for the queue before those requests are admitted. Each step's
   `PoolReport` tells the scheduler which adapters are in that tier, so it
   admits a request only once its adapter is; a step reads from disk itself
   only if the tier dropped an adapter after reporting it. A runtime remove
@@ -35,8 +36,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,15 +53,10 @@ from vllm_loraserve.adapters.peft import read_weights, short_name
 from vllm_loraserve.config import LoraServeConfig
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.layout import pack_layers
-from vllm_loraserve.paging.model import model_layout, module_slice_names
-from vllm_loraserve.paging.step import (
-    MAX_REMOVED_IDS,
-    PageLoad,
-    PoolReport,
-    PoolStep,
-    Prefetch,
-)
-from vllm_loraserve.worker.host_cache import HostAdapter, HostCache, allocation_bytes
+from vllm_loraserve.paging.model import max_file_bytes, model_layout, module_slice_names
+from vllm_loraserve.paging.step import PageLoad, PoolReport, PoolStep, Prefetch
+from vllm_loraserve.worker.arena import PinnedArena
+from vllm_loraserve.worker.host_tier import Alloc, HostAdapter, HostTier
 from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker.pool import DevicePool
 from vllm_loraserve.worker.residency import MAX_BUFFERED_EVENTS, lora_modules
@@ -90,6 +87,30 @@ class PagedLoRAModelManager(LoRAModelManager):
             self.lora_config = real
 
 
+@dataclass(frozen=True)
+class _StreamFence:
+    """Done once the copies issued so far on these streams are (the host
+    tier reuses an evicted entry's memory only then)."""
+
+    device: torch.device
+    events: tuple[torch.cuda.Event, ...]
+
+    @classmethod
+    def record(cls, device: torch.device, streams: Sequence[torch.cuda.Stream]) -> _StreamFence:
+        events = tuple(torch.cuda.Event() for _ in streams)
+        for event, stream in zip(events, streams, strict=True):
+            event.record(stream)
+        return cls(device, events)
+
+    def query(self) -> bool:
+        with torch.cuda.device(self.device):  # readers call it too
+            return all(e.query() for e in self.events)
+
+    def synchronize(self) -> None:
+        for e in self.events:
+            e.synchronize()
+
+
 class PagedWorkerLoRAManager(WorkerLoRAManager):
     _manager_cls = PagedLoRAModelManager
 
@@ -97,29 +118,19 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                  embedding_modules: dict[str, str], cfg: LoraServeConfig) -> None:
         super().__init__(vllm_config, device, embedding_modules)
         self.cfg = cfg
-        self.host = HostCache(cfg.host_budget())
-        # Disk reads for prefetch run here, off the engine step; the host tier,
-        # the reads under way and the failures are shared with them under _lock.
-        # One intra-op thread per reader: the readers' only tensor op (copying
-        # an adapter_model.bin) would otherwise start an OpenMP team of all
-        # cores in every reader (benchmarks/e2e/read_path.py).
-        self._reader = ThreadPoolExecutor(max_workers=cfg.read_threads,
-                                          thread_name_prefix="loraserve-read",
-                                          initializer=torch.set_num_threads, initargs=(1,))
-        # Background reads under way: lora id -> (future, host bytes it will take).
-        self._reading: dict[int, tuple[Future, int]] = {}
-        # Host-tier buffers are pinned when a CUDA device copies from them.
-        self._pinned = torch.device(self.device).type == "cuda"
-        self._keep: frozenset[int] = frozenset()  # the last PoolStep's keep
-        self.failed: dict[int, str] = {}  # lora id -> why its files could not be read
-        # Read since the last report, even if the tier dropped them again: each
-        # finished read admits its requests at least once (no livelock when
-        # the tier is smaller than the reads under way).
-        self._fresh: set[int] = set()
-        # Bumped by each runtime add or remove: a read started before commits nothing.
-        self._generation: dict[int, int] = {}
-        self._removed: OrderedDict[int, None] = OrderedDict()  # by remove_adapter, oldest first
-        self._lock = threading.Lock()
+        cuda = torch.device(self.device).type == "cuda"
+        # Loads for waiting requests (PageLoad.ahead) run on this stream on a GPU.
+        self._side = torch.cuda.Stream(self.device) if cuda else None
+        # The host tier's memory, pinned here (before the KV cache and the
+        # server's start) and never later; its chunks hold the largest
+        # adapter this engine serves.
+        largest = max_file_bytes(vllm_config.model_config.hf_text_config,
+                                 self.lora_config.max_lora_rank)
+        arena = PinnedArena.for_budget(cfg.host_budget(), largest, pinned=cuda)
+        self.host: HostTier[HostAdapter] = HostTier(
+            arena, self._read_file, cfg.read_threads, fence=self._fence,
+            on_read=lambda lora_id, seconds: self._record(lora_id, "host", seconds))
+        self._lock = threading.Lock()  # events and waits, shared with the readers
         # Page loads whose adapter was already in the host tier (hits) or had
         # to be read, or waited for, inside the step (misses).
         self.prefetch_hits = self.prefetch_misses = 0
@@ -130,9 +141,6 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         # Host seconds of page loads: packing on the device (the copy of the
         # file's bytes included), then writing the pages and the slot table.
         self.load_pack_s = self.load_write_s = 0.0
-        # Loads for waiting requests (PageLoad.ahead) run on this stream on a GPU.
-        self._side = (torch.cuda.Stream(self.device)
-                      if torch.device(self.device).type == "cuda" else None)
         self._events: deque[tuple[int, str, float]] = deque(maxlen=MAX_BUFFERED_EVENTS)
         self.dropped_events = 0
 
@@ -195,86 +203,33 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                 self.dropped_events += 1
             self._events.append((lora_id, tier, seconds))
 
-    def _host_adapter(self, lora_request: Any) -> tuple[HostAdapter, bool]:
-        """For a step: the adapter's host entry, and whether the host tier
-        had it: from the host tier, from a background read already under way,
-        or read from disk now. (`load_inplace` stays set on every later request
-        of a reloaded adapter; only `add_adapter` acts on it.)"""
-        lora_id = lora_request.lora_int_id
-        with self._lock:
-            entry = self.host.get(lora_id)
-            reading = self._reading.get(lora_id)
-        if entry is not None:
-            return entry, True
-        if reading is not None:
-            return reading[0].result(), False
-        return self._read(lora_request), False
+    def _fence(self) -> _StreamFence | None:
+        """After the copies issued so far (none pending on a CPU device)."""
+        if self._side is None:
+            return None
+        return _StreamFence.record(torch.device(self.device),
+                                   (torch.cuda.current_stream(), self._side))
 
     def _entry_bytes(self, pages: int) -> int:
         """An estimate of a read's host bytes, for adapters not read yet: their
         page-layout size (the file holds about as much in the pool's dtype)."""
         dtype = self.lora_config.lora_dtype
-        n = self.num_layers * pages * self.pool.layout.page_size * dtype.itemsize
-        return allocation_bytes(n, self._pinned)
+        return self.num_layers * pages * self.pool.layout.page_size * dtype.itemsize
 
     def prefetch(self, hint: Prefetch) -> None:
         """Start reading an adapter into the host tier in the background, if
         the tier has room for it beside the entries waiting requests need
         (else a later step's hint starts it)."""
-        lora_id = hint.lora_request.lora_int_id
-        need = self._entry_bytes(hint.pages)
-        with self._lock:
-            if lora_id in self.host or lora_id in self._reading or lora_id in self.failed:
-                return
-            if not self.host.has_room(need, self._keep | self._fresh,
-                                      sum(n for _, n in self._reading.values())):
-                return
-            future = self._reader.submit(self._read, hint.lora_request)
-            self._reading[lora_id] = future, need
+        self.host.prefetch(hint.lora_request, self._entry_bytes(hint.pages))
 
-        def done(f: Any) -> None:
-            with self._lock:
-                if self._reading.get(lora_id, (None,))[0] is f:
-                    del self._reading[lora_id]
-
-        future.add_done_callback(done)
-
-    def _read(self, lora_request: Any, record_failure: bool = True) -> HostAdapter:
-        """Disk -> host tier. A read that a runtime add or remove of the same
-        adapter overtook commits nothing."""
-        lora_id = lora_request.lora_int_id
-        with self._lock:
-            generation = self._generation.get(lora_id, 0)
-        t0 = time.perf_counter()
-        try:
-            entry = self._read_file(lora_request)
-        except Exception as e:
-            # Adapter files are input: whatever they raise fails this adapter only.
-            reason = f"its files could not be read: {type(e).__name__}: {e}"
-            with self._lock:
-                record = record_failure and self._generation.get(lora_id, 0) == generation
-                if record:
-                    self.failed[lora_id] = reason
-            if record:
-                logger.error("vllm-loraserve: adapter %s (id %d) %s", lora_request.lora_name,
-                             lora_id, reason)
-            raise
-        with self._lock:
-            if self._generation.get(lora_id, 0) == generation:
-                # Fresh reads count as kept until the scheduler has seen them.
-                self.host.put(lora_id, entry, self._keep | self._fresh)
-                self.failed.pop(lora_id, None)
-                self._fresh.add(lora_id)
-        self._record(lora_id, "host", time.perf_counter() - t0)
-        return entry
-
-    def _read_file(self, lora_request: Any) -> HostAdapter:
-        """Disk -> host buffer: the weights file's data in one pinned buffer
-        (one allocation and one copy per adapter; vLLM's loader pins every A
-        and B tensor apart), checked against the pool's layout. No tensor
-        math here: readers scale with threads, and the packing into page
-        layout runs on the device at load (`_device_streams`)."""
-        spec, raw = read_weights(lora_request.lora_path, self._host_buffer)
+    def _read_file(self, lora_request: Any, alloc: Alloc) -> HostAdapter:
+        """Disk -> host tier (its reader, on a reader thread or in a step):
+        the weights file's data in one buffer of the tier's arena (one copy
+        per adapter; vLLM's loader pins every A and B tensor apart), checked
+        against the pool's layout. No tensor math here: readers scale with
+        threads, and the packing into page layout runs on the device at load
+        (`_device_streams`)."""
+        spec, raw = read_weights(lora_request.lora_path, alloc)
         layout = self.pool.layout
         slices = {s.name: s for s in layout.slices}
         where = {}
@@ -293,9 +248,6 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             where[name] = (extract_layer_index(name), short)
         placement = layout.place(spec.rank, spec.target_modules)
         return HostAdapter(lora_request.lora_name, placement, spec.scaling, raw, where)
-
-    def _host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned)
 
     def _device_streams(self, entry: HostAdapter) -> torch.Tensor:
         """The entry's page streams ([layers, pages * page_size]) on the
@@ -318,14 +270,14 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         still being read); wait briefly for a read instead of spinning."""
         if self._side is not None:  # the last steps' loads ahead are in place first
             torch.cuda.current_stream().wait_stream(self._side)
-        self._keep = frozenset(step.keep) if step else frozenset()
-        if step:
-            self._apply(step)
+        self.host.set_keep(step.keep if step else ())
+        try:
+            if step:
+                self._apply(step)
+        finally:
+            self.host.end_step()  # this step's copies from the tier are all issued
         if idle:
-            with self._lock:
-                reading = [f for f, _ in self._reading.values()]
-            if reading:
-                wait(reading, timeout=0.005, return_when=FIRST_COMPLETED)
+            self.host.wait_for_a_read(timeout=0.005)
 
     def _apply(self, step: PoolStep) -> None:
         if self.pool.layout is None:
@@ -342,7 +294,10 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             lr = load.lora_request
             hit = False
             try:
-                entry, hit = self._host_adapter(lr)
+                # From the tier, a read under way, or disk now (`load_inplace`
+                # stays set on every later request of a reloaded adapter; only
+                # `add_adapter` acts on it).
+                entry, hit = self.host.get(lr)
                 if (entry.placement.rank, entry.placement.num_pages) != (load.rank,
                                                                           len(load.page_ids)):
                     raise ValueError(
@@ -369,29 +324,19 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             except Exception as e:
                 # Packing or writing one adapter's pages failed: its own
                 # requests fail (the scheduler reads `failed`), the step goes on.
-                self._fail_load(load, f"its pages could not be written: {type(e).__name__}: {e}")
+                self._fail_load(load, f"its pages could not be written: "
+                                      f"{type(e).__name__}: {e}")
                 continue
             self.page_loads_ahead += load.ahead
             self._record(lr.lora_int_id, "gpu", time.perf_counter() - t0)
-        self._drop_removed()
-
-    def _drop_removed(self) -> None:
-        """Host copies of removed adapters go once no page or waiting request
-        needs them (a request admitted before the remove read it back)."""
-        with self._lock:
-            for lora_id in self.host.ids():
-                if lora_id in self._removed and lora_id not in self.pool.slot_of and \
-                        lora_id not in self._keep and lora_id not in self._fresh:
-                    self.host.pop(lora_id)
+        # Copies read back for requests admitted before their adapter's remove.
+        self.host.drop_removed(self.pool.slot_of.keys())
 
     def _fail_load(self, load: PageLoad, reason: str) -> None:
         """One adapter's load failed: the scheduler fails its requests (from
         `failed`), its slot is cleared (its tokens run without LoRA this step)."""
         lr = load.lora_request
-        with self._lock:
-            first = lr.lora_int_id not in self.failed
-            self.failed.setdefault(lr.lora_int_id, reason)
-        if first:
+        if self.host.fail(lr.lora_int_id, reason):
             logger.error("vllm-loraserve: adapter %s (id %d) cannot be loaded: %s",
                          lr.lora_name, lr.lora_int_id, reason)
         self.pool.evict(load.slot)
@@ -406,16 +351,13 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self.load_write_s += time.perf_counter() - t1
 
     def report(self) -> PoolReport:
-        with self._lock:
-            ready, self._fresh = frozenset(self.host.ids()) | self._fresh, set()
-            return PoolReport(ready, dict(self.failed))
+        return self.host.report()
 
     # -- the model runner's interface -------------------------------------------
     def set_active_adapters(self, requests: set[Any], mapping: Any | None) -> None:
         if mapping is None:
             return
-        with self._lock:
-            failed = self.failed.keys() - self.pool.slot_of.keys()
+        failed = self.host.failed_ids() - self.pool.slot_of.keys()
         self.pool.set_tokens(np.asarray(mapping.index_mapping), self._dummy_ids | failed)
 
     def add_dummy_lora(self, lora_request: Any, rank: int) -> bool:
@@ -434,31 +376,18 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         """Runtime add_lora (first load or in-place reload): read the files
         into the host tier now. A failure is this load's error only; reads of
         an earlier version still under way commit nothing."""
-        self._new_generation(adapter_request.lora_int_id)
-        self._read(adapter_request, record_failure=False)
+        self.host.add(adapter_request)
         return True
 
     def remove_adapter(self, adapter_id: int) -> bool:
-        self._new_generation(adapter_id)
-        with self._lock:
-            self._removed[adapter_id] = None
-            while len(self._removed) > MAX_REMOVED_IDS:
-                self._removed.popitem(last=False)
-            return self.host.pop(adapter_id) is not None
-
-    def _new_generation(self, lora_id: int) -> None:
-        with self._lock:
-            self._generation[lora_id] = self._generation.get(lora_id, 0) + 1
-            self.failed.pop(lora_id, None)
-            self._reading.pop(lora_id, None)
+        return self.host.remove(adapter_id)
 
     def pin_adapter(self, adapter_id: int) -> bool:
         raise ValueError("pinning adapters is not supported by the loraserve pool yet "
                          "(use --loraserve-pool vllm)")
 
     def list_adapters(self) -> set[int]:
-        with self._lock:
-            return set(self.pool.slot_of) | set(self.host.ids())
+        return set(self.pool.slot_of) | set(self.host.ids())
 
     def supports_tower_connector_lora(self) -> bool:
         return False

@@ -1,0 +1,295 @@
+"""The pool's host tier with a fake reader: LRU order within the arena,
+entries kept for waiting requests, fresh reads, failures, generations, and
+an evicted entry's memory held until the engine's copies from it are done."""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from vllm_loraserve.worker.arena import ALIGN, PinnedArena
+from vllm_loraserve.worker.host_tier import HostTier
+
+
+@dataclass
+class Req:
+    lora_int_id: int
+    nbytes: int = ALIGN
+    error: Exception | None = None
+    gate: threading.Event | None = None  # the read waits for it, after its alloc
+
+    @property
+    def lora_name(self) -> str:
+        return f"a{self.lora_int_id}"
+
+
+def fake_read(req: Req, alloc) -> torch.Tensor:
+    """The adapter's 'file' is `nbytes` bytes of its id."""
+    buf = alloc(req.nbytes)
+    if req.gate is not None:
+        assert req.gate.wait(5)
+    if req.error is not None:
+        raise req.error
+    buf.fill_(req.lora_int_id)
+    return buf
+
+
+class FakeFence:
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def tier(pages: int, chunks: int = 1, fences: list | None = None) -> HostTier:
+    fence = (lambda: fences.append(FakeFence()) or fences[-1]) if fences is not None else None
+    return HostTier(PinnedArena(pages * ALIGN, chunks, pinned=False), fake_read, threads=2,
+                    **({"fence": fence} if fence else {}))
+
+
+def step(t: HostTier, *ids: int) -> list[bool]:
+    """One engine step loading `ids`; whether each was a hit. Entries hold
+    their own id (no extent was shared or overwritten)."""
+    hits = []
+    for i in ids:
+        buf, hit = t.get(Req(i))
+        assert bool((buf == i).all()), f"entry {i} was overwritten"
+        hits.append(hit)
+    t.end_step()
+    t.report()
+    t.check()
+    return hits
+
+
+def settle(t: HostTier) -> None:
+    for _ in range(100):
+        t.wait_for_a_read(0.05)
+    t.check()
+
+
+def test_lru_within_the_arena():
+    t = tier(pages=4)
+    assert step(t, 0, 1, 2, 3) == [False] * 4
+    assert step(t, 0) == [True]  # 1 is now the least recently used
+    assert step(t, 4) == [False]
+    assert sorted(t.ids()) == [0, 2, 3, 4] and t.bytes_used == 4 * ALIGN == t.budget
+    t.get(Req(5, nbytes=2 * ALIGN))  # two pages: 2 and 3 go
+    t.end_step()
+    assert sorted(t.ids()) == [0, 4, 5]
+    t.check()
+
+
+def test_an_extent_never_spans_chunks():
+    t = tier(pages=2, chunks=2)
+    step(t, 0, 1)
+    assert step(t, 0) == [True]  # 1 is the LRU entry; 0 and 1 are in one chunk
+    t.get(Req(2, nbytes=2 * ALIGN))  # a chunk of its own: the other one is empty
+    t.end_step()
+    assert sorted(t.ids()) == [0, 1, 2]
+    t.get(Req(3, nbytes=2 * ALIGN))  # no room without a whole chunk: 1 and 0 go
+    t.end_step()
+    assert sorted(t.ids()) == [2, 3]
+    t.check()
+
+
+def test_kept_entries_go_last():
+    t = tier(pages=3)
+    step(t, 0, 1, 2)
+    # 0 and 1 are older, but waiting requests still need 0: 1 and 2 go first.
+    t.set_keep({0})
+    t.get(Req(3, nbytes=2 * ALIGN))
+    t.end_step()
+    assert sorted(t.ids()) == [0, 3]
+    # Only kept entries left to evict: a step's own read evicts them too.
+    t.set_keep({0, 3})
+    t.get(Req(4, nbytes=3 * ALIGN))
+    t.end_step()
+    assert t.ids() == [4] and t.bytes_used == 3 * ALIGN
+    t.check()
+
+
+def test_read_ahead_needs_room_beside_kept_entries_and_reads_under_way():
+    t = tier(pages=3)
+    step(t, 0, 1)
+    t.set_keep({0})
+    assert t.has_room(2 * ALIGN)  # 1 can make room
+    t.set_keep({0, 1})
+    assert not t.has_room(2 * ALIGN)
+    assert not t.prefetch(Req(2), 2 * ALIGN)
+    gate = threading.Event()
+    assert t.prefetch(Req(2, gate=gate), ALIGN)  # the last free page
+    assert not t.prefetch(Req(3), ALIGN)  # reserved by the read under way
+    gate.set()
+    settle(t)
+    assert sorted(t.ids()) == [0, 1, 2]
+    # An empty tier with nothing under way admits any read.
+    assert tier(pages=1).has_room(5 * ALIGN)
+
+
+def test_a_background_read_gives_up_rather_than_evict_kept_entries():
+    """Its estimate was too small: it evicts what it may, finds no room
+    beside the kept entry and gives up, with no failure; the step that
+    needs it reads it, evicting the kept entry."""
+    t = tier(pages=2)
+    step(t, 0, 1)
+    t.set_keep({0})
+    assert t.prefetch(Req(2, nbytes=2 * ALIGN), ALIGN)
+    settle(t)
+    assert t.ids() == [0]  # 1 went, 2 did not fit beside 0
+    report = t.report()
+    assert report.host_ready == {0} and not report.failed
+    assert t.get(Req(2, nbytes=2 * ALIGN))[1] is False
+    t.end_step()
+    assert t.ids() == [2]
+    t.check()
+
+
+def test_fresh_reads_are_reported_once_even_if_evicted():
+    t = tier(pages=1)
+    assert t.prefetch(Req(0), ALIGN)
+    settle(t)
+    t.get(Req(1))  # the step needs 1: the fresh 0 goes
+    t.end_step()
+    assert t.ids() == [1]
+    assert t.report().host_ready == {0, 1}
+    assert t.report().host_ready == {1}
+
+
+def test_a_failed_read_is_recorded_and_its_extent_freed():
+    t = tier(pages=2)
+    bad = Req(7, error=OSError("disk gone"))
+    assert t.prefetch(bad, ALIGN)
+    settle(t)
+    assert "OSError: disk gone" in t.report().failed[7]
+    assert t.arena.used == 0 and 7 not in t
+    assert not t.prefetch(Req(7), ALIGN)  # failed: not read again
+    with pytest.raises(OSError):
+        t.get(bad)
+    # A runtime add starts over: its own failure is its error, not recorded.
+    with pytest.raises(OSError):
+        t.add(bad)
+    assert t.failed_ids() == set()
+    t.add(Req(7))
+    assert 7 in t and t.arena.used == ALIGN
+    t.check()
+
+
+def test_a_too_large_adapter_fails_alone():
+    t = tier(pages=2)
+    step(t, 0)
+    with pytest.raises(Exception, match="more than the host tier's largest buffer"):
+        t.get(Req(1, nbytes=3 * ALIGN))
+    assert "largest buffer" in t.report().failed[1]
+    assert t.ids() == [0]
+    t.check()
+
+
+def test_a_read_overtaken_by_a_runtime_remove_commits_nothing():
+    t = tier(pages=2)
+    gate = threading.Event()
+    assert t.prefetch(Req(0, gate=gate), ALIGN)
+    for _ in range(100):  # the read holds its extent
+        if t.arena.used:
+            break
+        threading.Event().wait(0.01)
+    assert t.arena.used == ALIGN
+    assert not t.remove(0)
+    gate.set()
+    t.shutdown()  # waits for the read
+    assert t.ids() == [] and t.arena.used == 0
+
+
+def test_an_entry_in_use_keeps_its_memory_until_its_copies_are_done():
+    """The engine thread took 0 for a copy that has not run yet (its
+    fence is not done); a reader evicting 0 must not reuse its bytes."""
+    fences: list[FakeFence] = []
+    t = tier(pages=1, fences=fences)
+    buf, _ = t.get(Req(0))
+    t.end_step()
+    t.report()
+    assert len(fences) == 1 and not fences[0].done
+    assert t.prefetch(Req(1), ALIGN)
+    settle(t)
+    assert t.ids() == [] and t.arena.used == ALIGN  # 0 evicted, its extent held
+    assert bool((buf == 0).all())
+    fences[0].done = True  # the copy ran
+    assert t.prefetch(Req(1), ALIGN)
+    settle(t)
+    assert t.ids() == [1]
+    # The engine thread's own read waits for the copy instead.
+    t.get(Req(1))
+    t.end_step()
+    assert not fences[1].done
+    t.get(Req(2))
+    assert fences[1].waited and t.ids() == [2]
+    t.end_step()
+    t.check()
+
+
+def test_an_entry_used_in_this_step_is_not_overwritten_by_this_step():
+    """Without a fence (CPU), a step's later read may reuse an extent only
+    after the step's earlier uses are closed (its copies were issued)."""
+    t = tier(pages=1)
+    buf, _ = t.get(Req(0))
+    t.report()
+    assert t.prefetch(Req(1), ALIGN)  # a reader may evict 0, not reuse it yet
+    settle(t)
+    assert bool((buf == 0).all()) and t.ids() == []
+    t.end_step()
+    assert t.prefetch(Req(1), ALIGN)  # now it may
+    settle(t)
+    assert t.ids() == [1]
+
+
+def test_random_churn_keeps_the_invariants():
+    rng = random.Random(0)
+    fences: list[FakeFence] = []
+    t = tier(pages=6, chunks=2, fences=fences)
+    for _ in range(300):
+        t.set_keep(rng.sample(t.ids(), k=min(len(t.ids()), rng.randint(0, 2))))
+        for _ in range(rng.randint(0, 2)):
+            i = rng.randrange(12)
+            t.prefetch(Req(i, nbytes=rng.randint(1, 3) * ALIGN - rng.randrange(ALIGN)), ALIGN)
+        ids = rng.sample(range(12), k=rng.randint(0, 3))
+        for i in ids:
+            if rng.random() < 0.1:
+                t.remove(i)
+            else:
+                buf, _ = t.get(Req(i, nbytes=rng.randint(1, 6) * ALIGN))
+                assert bool((buf == i).all())
+        t.end_step()
+        for f in fences:
+            f.done = f.done or rng.random() < 0.5
+        t.report()
+        t.check()
+    settle(t)
+    assert t.bytes_used <= t.budget
+
+
+def test_a_removed_adapter_read_back_goes_once_nothing_needs_it():
+    """Issue 22's storm: a request admitted before its adapter's remove
+    reads it back; that copy stays while the adapter holds pages or
+    waiting requests need it, then goes (it would leak otherwise)."""
+    t = tier(pages=4)
+    step(t, 0, 1)
+    assert t.remove(0) and 0 not in t
+    step(t, 0)  # read back for a request admitted before the remove
+    t.set_keep({0})
+    t.drop_removed(resident=())
+    assert 0 in t  # its request still waits
+    t.set_keep(())
+    t.drop_removed(resident={0})
+    assert 0 in t  # it holds pages
+    t.drop_removed(resident=())
+    assert t.ids() == [1] and t.bytes_used == ALIGN  # 1 was never removed
+    t.end_step()
+    t.check()
