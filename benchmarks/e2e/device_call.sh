@@ -10,6 +10,7 @@
 # BENCH_ARGS adds bench_e2e.py arguments (offline, profile), e.g.
 #   BENCH_ARGS="--shape llama3-8b --targets all-linear --ranks 16,32,64 --distinct 40";
 # LORASERVE_COMMIT (the commit sent; the device has no .git) goes into results.json.
+# GPU_TESTS: the pool tests gpu-tests runs N times (default tests/gpu/test_pool_gpu.py).
 #
 # It installs the carried vLLM bundle (and peft for the GPU tests), stops its
 # work after SECONDS (default 540, inside the tool's 600 s), and leaves at
@@ -63,7 +64,7 @@ case $what in
     for i in $(seq "$arg"); do
       mkdir -p "$work/run$i"
       LORASERVE_RESULTS_DIR=$work/run$i within python3 -m pytest -m gpu \
-        tests/gpu/test_pool_gpu.py -q -p no:cacheprovider > "$work/run$i.log" 2>&1
+        ${GPU_TESTS:-tests/gpu/test_pool_gpu.py} -q -p no:cacheprovider > "$work/run$i.log" 2>&1
       echo "run $i: exit $? after $(( $(date +%s) - start )) s"; tail -1 "$work/run$i.log"
       for f in "$work/run$i"/*.json; do cp "$f" "$OUT/$(basename "$f" .json)-run$i.json"; done
     done ;;
