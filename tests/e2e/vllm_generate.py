@@ -39,6 +39,7 @@ def main() -> None:
         c = o.outputs[0]
         result["outputs"].append({
             "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
             "logprobs": [lp[t].logprob
                          for lp, t in zip(c.logprobs or [], c.token_ids, strict=True)]})
     if "loraserve" in (spec["engine"].get("additional_config") or {}):

@@ -54,6 +54,10 @@ class RowStaging:
         self._copied[slot] = event
 
 
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
 @dataclass(frozen=True)
 class SlotTable:
     rank: torch.Tensor  # [S] int32; 0 for an empty slot
@@ -187,11 +191,17 @@ class TokenBatchBuffers:
         self.max_tokens, self.block_m = max_tokens, block_m
         # Each slot adds at most one partial block.
         max_blocks = -(-max_tokens // block_m) + min(max_tokens, max_slots)
-        size = max_tokens + 3 * max_blocks + 1
+        # Each view starts 16-byte aligned: Triton specialises a kernel on
+        # its pointers' alignment, so the views must be the ones it was
+        # compiled for at warm-up (worker/pool.py), whatever the sizes.
+        self._blocks_at = _round_up(max_tokens, 4)
+        self._count_at = self._blocks_at + _round_up(3 * max_blocks, 4)
+        size = self._count_at + 4
         self._device_buf = torch.zeros(size, dtype=torch.int32, device=device)
         self.sorted_tokens = self._device_buf[:max_tokens]
-        self.blocks = self._device_buf[max_tokens:size - 1].view(max_blocks, 3)
-        self.num_blocks = self._device_buf[size - 1:]
+        self.blocks = self._device_buf[self._blocks_at:self._blocks_at + 3 * max_blocks].view(
+            max_blocks, 3)
+        self.num_blocks = self._device_buf[self._count_at:self._count_at + 1]
         cuda = torch.device(device).type == "cuda"
         self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda)
                          for _ in range(2 if cuda else 1)]
@@ -208,9 +218,8 @@ class TokenBatchBuffers:
             done.synchronize()
         host_np = host.numpy()
         host_np[:len(order)] = order
-        start = self.max_tokens
-        host_np[start:start + blocks.size] = blocks.reshape(-1)
-        host_np[-1] = len(blocks)
+        host_np[self._blocks_at:self._blocks_at + blocks.size] = blocks.reshape(-1)
+        host_np[self._count_at] = len(blocks)
         self._device_buf.copy_(host, non_blocking=True)
         if done is not None:
             done.record()

@@ -190,7 +190,9 @@ def _grad_pool_kernel(
                   mask=r_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+# The page count varies per load: not specialised (Triton would compile again
+# for 1 page and for multiples of 16 while serving).
+@triton.jit(do_not_specialize=["num_pages"])
 def _write_pages_kernel(ptrs_ptr, src_ptr, ids_ptr, page_size, num_pages,
                         DTYPE: tl.constexpr, BLOCK: tl.constexpr):
     """Page ids[i] of layer l <- row l, page i of src ([layers, num_pages *

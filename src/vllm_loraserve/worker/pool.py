@@ -85,11 +85,14 @@ class DevicePool:
         # vLLM's null block (id 0) is never handed out: written with itself.
         page0 = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._write_pages(page0, torch.stack([p[0] for p in self.pages]))
-        empty = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # The buffers' own views (Triton specialises on their alignment), with
+        # no blocks: nothing is computed. No step has filled them yet.
+        for buffers in self._buffers.values():
+            buffers.num_blocks.zero_()
         shapes = sorted({self._shape(t) for t in range(1, self.h.shape[1] + 1)})
         batches = [TokenBatch(1, self._buffers[bm].sorted_tokens,
-                              self._buffers[bm].blocks[:bound], empty, 0, bm)
-                   for bm, bound in shapes]
+                              self._buffers[bm].blocks[:bound], self._buffers[bm].num_blocks,
+                              0, bm) for bm, bound in shapes]
         variants, dtype = 1, self.pages[0].dtype  # activations too (the scheduler checks)
         for module in sorted(modules, key=lambda m: m.first):
             x = torch.zeros(1, module.in_features, dtype=dtype, device=self.device)
