@@ -39,17 +39,33 @@ def main() -> None:
     def calls(prof) -> dict[str, int]:
         return {e.key: e.count for e in prof.key_averages() if e.key.startswith("cuda")}
 
+    def pinning_sites(prof) -> list[dict]:
+        """Each pinning call's enclosing ops and Python stack (where a failure points)."""
+        sites = []
+        for e in prof.events():
+            if e.name not in ("cudaHostRegister", "cudaHostAlloc", "cudaMallocHost"):
+                continue
+            parents, p = [], e.cpu_parent
+            while p is not None:
+                parents.append(p.name)
+                stack = list(p.stack or [])
+                p = p.cpu_parent
+            sites.append({"call": e.name, "thread": e.thread, "ops": parents,
+                          "stack": (stack if parents else [])[:12]})
+        return sites
+
     warm, cold = spec["rounds"]
     lengths = generate(warm)
     before = llm.collective_rpc("loraserve_residency")[0]  # drains its events
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=True) as prof:
         lengths += generate(cold)
     after = llm.collective_rpc("loraserve_residency")[0]
     with profile(activities=activities) as control:
         block = torch.empty(CONTROL_BYTES, dtype=torch.uint8, pin_memory=True)
     assert block.is_pinned()
-    json.dump({"serving": calls(prof), "control": calls(control), "lengths": lengths,
+    json.dump({"serving": calls(prof), "serving_pinning_sites": pinning_sites(prof),
+               "control": calls(control), "lengths": lengths,
                "ids": ids, "before": before, "after": after}, open(sys.argv[2], "w"))
 
 
