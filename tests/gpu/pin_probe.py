@@ -45,13 +45,13 @@ def main() -> None:
         for e in prof.events():
             if e.name not in ("cudaHostRegister", "cudaHostAlloc", "cudaMallocHost"):
                 continue
-            parents, p = [], e.cpu_parent
+            parents, stack, p = [], [], e.cpu_parent
             while p is not None:
                 parents.append(p.name)
-                stack = list(p.stack or [])
+                stack = stack or list(p.stack or [])  # the innermost op's: the whole stack
                 p = p.cpu_parent
             sites.append({"call": e.name, "thread": e.thread, "ops": parents,
-                          "stack": (stack if parents else [])[:12]})
+                          "stack": stack[:16]})
         return sites
 
     warm, cold = spec["rounds"]
