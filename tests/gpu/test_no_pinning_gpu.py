@@ -11,9 +11,13 @@ An engine on the `small` model serves a warm-up round with eight adapters,
 then the same eight adapters under new names and paths (cold: never read),
 with a host tier too small for both rounds (entries are evicted and their
 memory reused), under torch.profiler. The profiled round must make no
-`cudaHostRegister`, `cudaHostAlloc` or `cudaMallocHost` call on any thread,
-while it does read and load every cold adapter. A control profile that
-pins one new block shows the profiler sees such calls at all.
+`cudaHostRegister`, `cudaHostAlloc` or `cudaMallocHost` call by the plugin
+(none on the host tier's reader threads; no torch call from its code that
+may pin), while it does read and load every cold adapter. vLLM itself pins
+the targets of its non-blocking device-to-host copies when its caching host
+allocator meets a new size: the engine thread's pinning calls must not
+outnumber the pinning-capable torch calls of vLLM's that the probe saw. A
+control profile that pins one new block shows the profiler sees such calls.
 """
 
 from __future__ import annotations
@@ -72,5 +76,13 @@ def test_serving_cold_adapters_pins_no_host_memory(fixed_dir, tmp_path):
     before, after = out["before"]["pool"], out["after"]["pool"]
     assert after["page_loads"] - before["page_loads"] >= len(cold_ids)
     assert after["host_budget"] == 32 << 20 and after["host_bytes"] <= 32 << 20
-    pinned = {c: out["serving"][c] for c in PIN_CALLS if out["serving"].get(c)}
-    assert not pinned, f"pinned host memory while serving: {pinned}"
+    # No pinning by the plugin: none on the host tier's reader threads (only
+    # the engine thread launches), none from its code on the engine thread.
+    # vLLM itself pins targets of its device-to-host copies (its caching host
+    # allocator misses on new sizes): each such call must have a vLLM site.
+    launch, pin = out["serving_threads"]["launch"], out["serving_threads"]["pin"]
+    engine = max(launch, key=launch.get)
+    assert not {t: n for t, n in pin.items() if t != engine}, out["serving_threads"]
+    ours = [s for s in out["torch_pin_sites"] if any("vllm_loraserve" in f for f in s["stack"])]
+    assert not ours, f"the plugin pinned host memory while serving: {ours}"
+    assert pin.get(engine, 0) <= sum(s["count"] for s in out["torch_pin_sites"]), out
