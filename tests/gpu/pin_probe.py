@@ -45,7 +45,7 @@ def _to_cpu_non_blocking(args, kwargs) -> bool:
         return False
     rest = list(args[1:]) + list(kwargs.values())
     cpu = any(str(a) == "cpu" for a in rest if isinstance(a, str | torch.device))
-    return cpu and (kwargs.get("non_blocking") or True in args[1:])
+    return cpu and (kwargs.get("non_blocking") is True or any(a is True for a in args[1:]))
 
 
 def main() -> None:
