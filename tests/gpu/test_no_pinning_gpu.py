@@ -83,6 +83,8 @@ def test_serving_cold_adapters_pins_no_host_memory(fixed_dir, tmp_path):
     launch, pin = out["serving_threads"]["launch"], out["serving_threads"]["pin"]
     engine = max(launch, key=launch.get)
     assert not {t: n for t, n in pin.items() if t != engine}, out["serving_threads"]
-    ours = [s for s in out["torch_pin_sites"] if any("vllm_loraserve" in f for f in s["stack"])]
+    # The plugin's own call: its code is the torch call's caller (it also wraps
+    # vLLM's execute_model, so its frames sit under every vLLM call).
+    ours = [s for s in out["torch_pin_sites"] if "vllm_loraserve" in s["stack"][-1]]
     assert not ours, f"the plugin pinned host memory while serving: {ours}"
     assert pin.get(engine, 0) <= sum(s["count"] for s in out["torch_pin_sites"]), out
