@@ -398,7 +398,10 @@ def main() -> None:
                 rc = "timeout"
         path = os.path.join(a.out, f"{c}.json")
         r = json.load(open(path)) if os.path.exists(path) else {}
-        r.update(status="ok" if rc == 0 else f"failed ({rc})", wall_s=round(time.time() - t, 1))
+        # A child that wrote its results measured them, even if it was then
+        # stopped at the time limit while shutting down its engine.
+        r.update(status="ok" if "out_tok_s" in r else f"failed ({rc})", exit=rc,
+                 wall_s=round(time.time() - t, 1))
         summary["configs"][c] = r
         roofline(summary)
         log(f"{c}: {r['status']} start {r.get('engine_start_s')} s, gen {r.get('gen_s')} s, "
