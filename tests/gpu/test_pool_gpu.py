@@ -80,6 +80,22 @@ def _write_report(report: dict, file: str) -> None:
         json.dump(report, open(os.path.join(out_dir, file), "w"), indent=1)
 
 
+def _pool_against_reference(tmp_path, model: str, reqs: list[Request], engine: dict,
+                            file: str) -> tuple[dict, list[str]]:
+    """One pool engine (in-process core) on `reqs`, each request checked
+    against HF + PEFT; the report (written to `file`) and the problems."""
+    pool = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS,
+                    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, dtype="bfloat16")
+    ref = HFReference(model, device="cuda")
+    problems: list[str] = []
+    report = {"tolerance": dataclasses.asdict(TOL), "pool": pool["residency"]["pool"],
+              "requests": [_check_against_reference(ref, req, out,
+                                                    ref.logprobs(req, out["token_ids"]), problems)
+                           for req, out in zip(reqs, pool["outputs"], strict=True)]}
+    _write_report(report, file)
+    return report, problems
+
+
 def test_pool_bf16_matches_hf_peft_and_stock_vllm(case, tmp_path):
     model, reqs = case
     engine = {"max_lora_rank": 128, "max_num_seqs": 64, "gpu_memory_utilization": 0.5}
@@ -123,15 +139,8 @@ def test_loads_ahead_on_the_side_stream_match_hf_peft(case, tmp_path):
     step's forward pass; each must be complete before its requests run."""
     model, reqs = case
     engine = {"max_lora_rank": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.5, **POOL}
-    pool = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS,
-                    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, dtype="bfloat16")
-    ref = HFReference(model, device="cuda")
-    problems: list[str] = []
-    report = {"tolerance": dataclasses.asdict(TOL), "pool": pool["residency"]["pool"],
-              "requests": [_check_against_reference(ref, req, out,
-                                                    ref.logprobs(req, out["token_ids"]), problems)
-                           for req, out in zip(reqs, pool["outputs"], strict=True)]}
-    _write_report(report, "gpu_pool_ahead.json")
+    report, problems = _pool_against_reference(tmp_path, model, reqs, engine,
+                                                "gpu_pool_ahead.json")
     assert report["pool"]["page_loads_ahead"] > 0, report["pool"]
     assert not problems, "\n".join(problems)
 
@@ -142,14 +151,7 @@ def test_pool_llama3_8b_layers_gqa_all_linear_match_hf_peft(fixed_dir, tmp_path)
     gate_up, down: every layer kind vLLM wraps), against HF + PEFT in fp32."""
     model, reqs = build_case(fixed_dir("pool-gpu-llama3"), "llama3-8b-layers", LLAMA3_ADAPTERS)
     engine = {"max_lora_rank": 64, "max_num_seqs": 64, "gpu_memory_utilization": 0.5, **POOL}
-    pool = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS,
-                    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, dtype="bfloat16")
-    ref = HFReference(model, device="cuda")
-    problems: list[str] = []
-    report = {"tolerance": dataclasses.asdict(TOL), "pool": pool["residency"]["pool"],
-              "requests": [_check_against_reference(ref, req, out,
-                                                    ref.logprobs(req, out["token_ids"]), problems)
-                           for req, out in zip(reqs, pool["outputs"], strict=True)]}
-    _write_report(report, "gpu_pool_llama3.json")
+    report, problems = _pool_against_reference(tmp_path, model, reqs, engine,
+                                                "gpu_pool_llama3.json")
     assert report["pool"]["peak_batch_adapters"] == len(LLAMA3_ADAPTERS)
     assert not problems, "\n".join(problems)
