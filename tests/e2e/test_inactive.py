@@ -46,7 +46,8 @@ def test_server_without_plugin_is_stock_vllm(tiny_assets, tmp_path):
     env = _probe_env(tmp_path)
     with vllm_server(os.path.join(tiny_assets, "model"), args, str(tmp_path), env=env) as url:
         assert httpx.get(f"{url}/loraserve/v1/adapters").status_code == 404
-        r = httpx.post(f"{url}/v1/completions",
+        # A CPU engine's first request loads the adapter: not within httpx's 5 s default.
+        r = httpx.post(f"{url}/v1/completions", timeout=120,
                        json={"model": "a", "prompt": "hi", "max_tokens": 3})
         assert r.status_code == 200
         assert metric_samples(url) == {}
