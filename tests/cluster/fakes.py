@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from vllm_loraserve.cluster.engine import AdapterRejected
 from vllm_loraserve.process import free_port
@@ -89,11 +91,33 @@ def fake_engines(n: int, urls: list[str] | None = None) -> tuple[dict[int, FakeE
     return engines, world
 
 
+class _StreamOptions(BaseModel):
+    include_usage: bool | None = False
+
+
+class _Request(BaseModel):
+    """The fields of vLLM's CompletionRequest that the router reads too,
+    typed as vLLM types them (pydantic's lax mode: "no" is False)."""
+
+    model_config = ConfigDict(extra="allow")
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+    temperature: float | None = None
+
+
+def _refusal(message: str, param: str | None) -> JSONResponse:
+    return JSONResponse(status_code=400, content={"error": {
+        "message": message, "type": "BadRequestError", "param": param, "code": 400}})
+
+
 def upstream_app(index: int, model_info: dict | None = None):
     """A stand-in for `vllm serve`: /v1/completions answers with its engine
     index; streams when asked; the prompt "break" drops the connection after
     the first chunk (an engine dying mid-response); "slow" waits 3 s before
-    answering (or after the first chunk when streaming).
+    answering (or after the first chunk when streaming). It refuses, with
+    vLLM's 400 and the value it got in the message, what vLLM refuses of
+    the fields `_Request` names: a wrong type, `stream_options` without
+    `stream`, a temperature that is not finite.
     /loraserve/v1/model answers `model_info` (404 without one)."""
     app = FastAPI()
 
@@ -104,12 +128,23 @@ def upstream_app(index: int, model_info: dict | None = None):
         return model_info
 
     @app.post("/v1/completions")
+    @app.post("/v1/chat/completions")
     async def completions(request: Request):
         body = await request.json()
+        if body.get("stream_options") and not body.get("stream"):  # as vLLM: before parsing
+            return _refusal("Stream options can only be defined when `stream=True`.",
+                            "stream_options")
+        try:
+            req = _Request.model_validate(body)
+        except ValidationError as e:
+            return _refusal(str(e), None)
+        if req.temperature is not None and not math.isfinite(req.temperature):
+            return _refusal(f"temperature must be a finite number, got {req.temperature}.",
+                            "temperature")
         usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
         choice = {"index": 0, "text": f"engine-{index}", "finish_reason": "length"}
         slow = body.get("prompt") == "slow"
-        if not body.get("stream"):
+        if not req.stream:
             if slow:
                 await asyncio.sleep(3)
             return {"model": body["model"], "choices": [choice], "usage": usage}
@@ -120,7 +155,7 @@ def upstream_app(index: int, model_info: dict | None = None):
                 await asyncio.sleep(3)
             if body.get("prompt") == "break":
                 raise RuntimeError("engine died")
-            if (body.get("stream_options") or {}).get("include_usage"):
+            if req.stream_options and req.stream_options.include_usage:
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 
 import httpx
 import pytest
@@ -15,6 +16,8 @@ from tests.cluster.fakes import UpstreamServer, fake_engines
 from tests.cluster.test_router import profile
 from vllm_loraserve.cluster.http import build_app
 from vllm_loraserve.cluster.router import RouterConfig, RouterCore
+from vllm_loraserve.cluster.sources import LocalDirSource
+from vllm_loraserve.cluster.store import AdapterStore
 from vllm_loraserve.process import free_port
 
 CATALOG = {"a8": 8, "b8": 8, "c64": 64, "d128": 128}
@@ -42,6 +45,21 @@ def upstreams(tiny_assets):
         s.stop()
 
 
+class Registry(AdapterStore):
+    """The router's registry, in a test's directory: records every copy, and
+    takes `delay_s` for each."""
+
+    def __init__(self, root, delay_s: float = 0.0) -> None:
+        super().__init__(str(root))
+        self.copied: list[tuple[str, str]] = []
+        self.delay_s = delay_s
+
+    def copy_in(self, name: str, src: str) -> None:
+        time.sleep(self.delay_s)
+        self.copied.append((name, src))
+        super().copy_in(name, src)
+
+
 def run_router(urls, body, registry=None, **app_kw):
     """Start a RouterCore over fake engines at `urls`, then run `body(client, core)`."""
     async def main():
@@ -50,7 +68,7 @@ def run_router(urls, body, registry=None, **app_kw):
                           RouterConfig(rebalance_s=None, health_failures=1,
                                        restart_attempts=0))
         await core.start()
-        app = build_app(core, register_source=registry, **app_kw)
+        app = build_app(core, registry=registry, **app_kw)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://router") as client:
             await body(client, core)
@@ -112,6 +130,159 @@ def test_bad_requests_get_clear_errors(upstreams):
         r = await client.post("/v1/chat/completions", json={"model": "d128", "messages": []})
         assert r.status_code == 400 and "maximum LoRA rank 64" in r.json()["error"]["message"]
     run_router(upstreams, body)
+
+
+def error_of(r: httpx.Response) -> dict:
+    """The OpenAI error of a response, checked for vLLM's shape."""
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == r.status_code
+    return err
+
+
+NESTED = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bodies_the_router_reads_are_refused_as_an_engine_refuses_them(upstreams, path):
+    """Bodies a `vllm serve --plugin loraserve` answers with 400 (probed on
+    one, issue 25) that the router reads before any engine sees them: 400 in
+    vLLM's error shape saying why (a 500 or a reset connection before), no
+    engine counted, and the router serves on."""
+    cases = [  # body, content type, in the message, param
+        (b'{"model": "a8", "prompt": "\xff"}', "application/json", "not valid JSON in UTF-8",
+         None),
+        (b'{"model": "a8", "prompt": ' + NESTED + b"}", "application/json",
+         "maximum recursion depth", None),
+        (b'{"model": "a8", "max_tokens": 1' + b"0" * 5000 + b"}", "application/json",
+         "not valid JSON", None),
+        (b'{"model": "a8", "prompt": "x"}', "text/plain", "Only 'application/json'", None),
+        (b'{"model": "a8", "prompt": "x"}', None, "Only 'application/json'", None),
+        (b'{"model": "\\ud800", "prompt": "x"}', "application/json",
+         "`model` is not valid Unicode", "model"),
+        (b"[]", "application/json", "not a JSON object", None),
+        (b'{"model": 5}', "application/json", "as `model`", "model"),
+    ]
+
+    async def body(client, core):
+        for content, media, reason, param in cases:
+            headers = {"content-type": media} if media else {}
+            r = await client.post(path, content=content, headers=headers)
+            assert r.status_code == 400, (content[:40], r.text)
+            err = error_of(r)
+            assert reason in err["message"] and err["param"] == param, (content[:40], err)
+            assert "x-loraserve-engine" not in r.headers
+        assert not +core.inflight and not core.metrics.requests._metrics
+        r = await client.post(path, json={"model": "a8", "prompt": "hi", "messages": []})
+        assert r.status_code == 200
+    run_router(upstreams, body)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_engine_judges_what_the_router_forwards(upstreams, path):
+    """Fields the router only forwards reach the engine as the client wrote
+    them (NaN stays NaN, `stream_options` stays what it was), and the
+    engine's 400 comes back: the router answered 500 before (it could not
+    encode NaN, or read a `stream_options` that is no object)."""
+    cases = [  # body, in the engine's message
+        ('{"model": "a8", "prompt": "x", "temperature": NaN}', "got nan"),
+        ('{"model": "a8", "prompt": "x", "temperature": -Infinity}', "got -inf"),
+        ('{"model": "a8", "prompt": "x", "stream": true, "stream_options": "x"}',
+         "input_value='x'"),
+        ('{"model": "a8", "prompt": "x", "stream": true, "stream_options": 5}', "input_value=5"),
+        ('{"model": "a8", "prompt": "x", "stream": true, "stream_options": []}',
+         "input_value=[]"),
+        ('{"model": "a8", "prompt": "x", "stream": true, "stream_options": true}',
+         "input_value=True"),
+        ('{"model": "a8", "prompt": "x", "stream_options": "x"}', "when `stream=True`"),
+        ('{"model": "a8", "prompt": "x", "stream": true, '
+         '"stream_options": {"include_usage": "maybe"}}', "input_value='maybe'"),
+    ]
+
+    async def body(client, core):
+        for content, reason in cases:
+            r = await client.post(path, content=content,
+                                  headers={"content-type": "application/json"})
+            assert r.status_code == 400, (content, r.text)
+            assert reason in error_of(r)["message"], (content, r.text)
+            assert r.headers["x-loraserve-engine"] in ("0", "1")
+        assert not +core.inflight
+        assert sum(core.metrics.requests.labels("a8", str(e), "http_400")._value.get()
+                   for e in (0, 1)) == len(cases)
+        # a lone surrogate in a field the router does not read: forwarded as
+        # its escape (the engine says what it makes of it), not a 500
+        r = await client.post(path, content=b'{"model": "a8", "prompt": "\\ud800"}',
+                              headers={"content-type": "application/json"})
+        assert r.status_code == 200
+    run_router(upstreams, body)
+
+
+def test_the_engine_decides_whether_it_streams(upstreams):
+    """vLLM reads `stream` and `include_usage` as pydantic does ("no" is
+    false): a request the engine answers in one piece is relayed as JSON,
+    a usage chunk the client declined is dropped, and both count demand."""
+    async def body(client, core):
+        r = await client.post("/v1/completions",
+                              json={"model": "a8", "prompt": "hi", "stream": "no"})
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        assert r.json()["choices"][0]["text"].startswith("engine-")
+        r = await client.post("/v1/completions", json={
+            "model": "a8", "prompt": "hi", "stream": True,
+            "stream_options": {"include_usage": "no"}})
+        events = sse(r.text)
+        assert events[-1] == "[DONE]" and not any('"usage"' in e for e in events)
+        core.demand.roll()
+        assert core.demand.last_window()["a8"] * core.demand.window_s == 16
+    run_router(upstreams, body)
+
+
+def test_admin_bodies_get_clear_errors(upstreams, tiny_assets):
+    """Admin requests with bodies or paths nothing can use: 400 saying why
+    (a 500 before for each but the path parameter, which FastAPI answered
+    422 in its own shape)."""
+    async def body(client, core):
+        for method, path, content, reason in [
+            ("POST", "/admin/adapters", b'{"name": "\xff", "path": "x"}', "not valid JSON"),
+            ("POST", "/admin/adapters", b'{"name": ' + NESTED + b"}", "recursion depth"),
+            ("POST", "/admin/adapters", b'{"name": "n", "path": "a\\u0000b"}',
+             "invalid adapter path"),
+            ("PUT", "/admin/placement", NESTED, "recursion depth"),
+            ("PUT", "/admin/placement", b'{"a8": [[1e400, 1.0]]}', "infinity"),
+            ("POST", "/admin/engines/abc/restart", b"", "valid integer"),
+        ]:
+            r = await client.request(method, path, content=content,
+                                     headers={"content-type": "application/json"})
+            assert r.status_code == 400, (path, content[:40], r.text)
+            assert reason in error_of(r)["message"], (path, content[:40], r.text)
+        assert set(core.catalog) == set(CATALOG)
+    run_router(upstreams, body, adapter_roots=[os.path.join(tiny_assets, "adapters")])
+
+
+def test_unregister_deletes_the_registry_copy(upstreams, tiny_assets, tmp_path):
+    """A deleted adapter is not served again by the next `cluster up` with
+    the same workdir (it was: its registry copy stayed); an adapter of the
+    user's `--adapters` directory is never deleted there."""
+    import shutil
+
+    registry = Registry(tmp_path / "registry")
+    user = tmp_path / "adapters"  # `cluster up --adapters`, holding a8 of the catalogue
+    shutil.copytree(os.path.join(tiny_assets, "adapters", "adapter-000-r8"), user / "a8")
+    good = os.path.join(tiny_assets, "adapters", "adapter-001-r16")
+
+    async def body(client, core):
+        r = await client.post("/admin/adapters", json={"name": "late", "path": good})
+        assert r.status_code == 200 and registry.has("late")
+        assert (await client.delete("/admin/adapters/late")).status_code == 200
+        assert (await client.delete("/admin/adapters/a8")).status_code == 200
+        assert registry.names() == []
+        assert (user / "a8" / "adapter_config.json").is_file()
+        # the adapters the next `cluster up` serves (launch.py: --adapters, then the registry)
+        valid, _ = LocalDirSource(os.pathsep.join([str(user), registry.root])).scan()
+        assert [e.name for e in valid] == ["a8"]
+        # registered again: a fresh copy
+        r = await client.post("/admin/adapters", json={"name": "late", "path": good})
+        assert r.status_code == 200 and registry.names() == ["late"]
+    run_router(upstreams, body, registry=registry,
+               adapter_roots=[os.path.join(tiny_assets, "adapters")])
 
 
 def test_engine_refusing_connections_is_retried_on_another_holder(upstreams):
@@ -184,7 +355,7 @@ def test_client_leaving_a_stream_releases_its_engine(upstreams, leave_after_s):
 
 
 def test_admin_routes(upstreams, tiny_assets, tmp_path):
-    copied = []
+    registry = Registry(tmp_path / "registry")
 
     async def body(client, core):
         status = (await client.get("/admin/status")).json()
@@ -209,7 +380,7 @@ def test_admin_routes(upstreams, tiny_assets, tmp_path):
         good = os.path.join(tiny_assets, "adapters", "adapter-001-r16")
         r = await client.post("/admin/adapters", json={"name": "late", "path": good})
         assert r.status_code == 200 and r.json()["rank"] == 16 and r.json()["holders"]
-        assert copied == [("late", good)]
+        assert registry.copied == [("late", good)] and registry.names() == ["late"]
         r = await client.post("/admin/adapters", json={"name": "late", "path": good})
         assert r.status_code == 409
         assert (await client.delete("/admin/adapters/late")).status_code == 200
@@ -221,7 +392,7 @@ def test_admin_routes(upstreams, tiny_assets, tmp_path):
                      "loraserve_router_fetches_total", "loraserve_router_migrations_total"):
             assert name in text
         assert (await client.post("/admin/engines/9/restart")).status_code == 404
-    run_router(upstreams, body, registry=lambda name, path: copied.append((name, path)),
+    run_router(upstreams, body, registry=registry,
                adapter_roots=[str(tmp_path), os.path.join(tiny_assets, "adapters")])
 
 
@@ -264,7 +435,7 @@ def test_register_checks_name_roots_and_model_before_copying(upstreams, tiny_ass
                root / "file-out" / "adapter_model.safetensors")
     build_bad_adapters(tiny_assets, str(root / "bad"))
     build_inf_weights(tiny_assets, str(root))
-    copied = []
+    registry = Registry(tmp_path / "registry")
 
     async def body(client, core):
         async def post(name, path):
@@ -287,11 +458,10 @@ def test_register_checks_name_roots_and_model_before_copying(upstreams, tiny_ass
                              (root / "inf-weights", "non-finite values")):
             status, message = await post("x", path)
             assert status == 400 and reason in message, (path, message)
-        assert copied == []  # nothing refused was copied
+        assert registry.copied == []  # nothing refused was copied
         assert await post("fine", root / "ok") == (200, "")
-        assert copied == [("fine", str(root / "ok"))]
-    run_router(upstreams, body, registry=lambda name, path: copied.append((name, path)),
-               adapter_roots=[str(root)])
+        assert registry.copied == [("fine", str(root / "ok"))]
+    run_router(upstreams, body, registry=registry, adapter_roots=[str(root)])
 
 
 def test_an_alias_never_shadows_the_base_model_or_another_line(upstreams, tiny_assets):
@@ -324,13 +494,8 @@ def test_an_alias_never_shadows_the_base_model_or_another_line(upstreams, tiny_a
     run_router(upstreams, body, adapter_roots=[os.path.join(tiny_assets, "adapters")])
 
 
-def test_register_copies_off_the_event_loop(upstreams, tiny_assets):
+def test_register_copies_off_the_event_loop(upstreams, tiny_assets, tmp_path):
     """A slow copy must not stall other requests (the router is one event loop)."""
-    import time
-
-    def slow_copy(name, path):
-        time.sleep(1.5)
-
     async def body(client, core):
         good = os.path.join(tiny_assets, "adapters", "adapter-000-r8")
 
@@ -346,7 +511,7 @@ def test_register_copies_off_the_event_loop(upstreams, tiny_assets):
             health_answered_at())
         assert r.status_code == 200
         assert answered < 1.0, f"/health answered {answered:.2f} s in, behind the 1.5 s copy"
-    run_router(upstreams, body, registry=slow_copy,
+    run_router(upstreams, body, registry=Registry(tmp_path, delay_s=1.5),
                adapter_roots=[os.path.join(tiny_assets, "adapters")])
 
 
@@ -371,3 +536,4 @@ def test_published_versions_move_the_alias(upstreams, tiny_assets):
         r = await client.post("/v1/completions", json={"model": "pub", "prompt": "hi"})
         assert r.status_code == 404
     run_router(upstreams, body, adapter_roots=[os.path.join(tiny_assets, "adapters")])
+

@@ -99,7 +99,7 @@ def resolve_adapter_under_roots(path: str, roots: Collection[str]) -> str:
     its path inside the adapter (vLLM's HTTP errors hide absolute paths). The
     one check for every place that reads or copies an adapter's files with
     the roots known (frontend/serving.py, adapters/directory.py,
-    cluster/http.py, cluster/sources.py, cluster/store.py)."""
+    cluster/http/admin.py, cluster/sources.py, cluster/store.py)."""
     real = resolve_under_roots(path, roots)
     todo, seen = [(real, "")], {real}
     while todo:

@@ -8,7 +8,7 @@ before Ray is imported and refuses to go on if Ray was imported earlier.
 
 Each engine is a Ray actor owning one `vllm serve --plugin loraserve`
 process (cluster/engine.py); the router actor owns the state
-(cluster/router.py) and serves the HTTP API (cluster/http.py) with uvicorn
+(cluster/router.py) and serves the HTTP API (cluster/http/) with uvicorn
 on its own event loop, so routing needs no extra hop. Stopping stops the
 router, then every engine server by its PID, then Ray.
 """
@@ -162,8 +162,7 @@ class RouterActor:
             health_interval_s=spec.health_interval_s, restart_attempts=spec.restart_attempts))
         await self.core.start()
         self.core.invalid.update(invalid)
-        registry_store = AdapterStore(registry)
-        app = build_app(self.core, register_source=registry_store.copy_in,
+        app = build_app(self.core, registry=AdapterStore(registry),
                         admin_token=spec.admin_token,
                         adapter_roots=[spec.adapters, *spec.allowed_roots])
         self.server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port,
