@@ -537,3 +537,49 @@ def test_published_versions_move_the_alias(upstreams, tiny_assets):
         assert r.status_code == 404
     run_router(upstreams, body, adapter_roots=[os.path.join(tiny_assets, "adapters")])
 
+
+def test_replay_maps_by_rank_through_the_router(upstreams, tmp_path):
+    """`loraserve bench replay --map-by-rank` against the router (issue 25):
+    the router serves the adapter listing the replay client reads (a 404
+    before: only a plugin server had it), and every request is answered."""
+    import uvicorn
+
+    from vllm_loraserve.cli.main import main as cli
+    from vllm_loraserve.workloads.trace import Request, write_trace
+
+    trace = tmp_path / "trace.jsonl"
+    ranks = {"t-8a": 8, "t-8b": 8, "t-64": 64, "t-128": 128}
+    write_trace(str(trace), [Request(i, 0.01 * i, a, r, 4, 2)
+                             for i, (a, r) in enumerate(list(ranks.items()) * 2)])
+    out = tmp_path / "results.json"
+
+    async def body(client, core):
+        app = build_app(core)
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                               log_level="critical"))
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            assert not serving.done(), "the router did not start"
+            await asyncio.sleep(0.02)
+        core.invalid["zz"] = "rank 999 is above this server's maximum LoRA rank 128"
+        try:
+            listing = (await client.get("/loraserve/v1/adapters")).json()["adapters"]
+            assert listing == [*({"name": a, "status": "ready", "rank": r}
+                                 for a, r in sorted(CATALOG.items())),
+                               {"name": "zz", "status": "invalid", "error": core.invalid["zz"]}]
+            await asyncio.to_thread(cli, [
+                "bench", "replay", "--trace", str(trace), "--url", f"http://127.0.0.1:{port}",
+                "--map-by-rank", "--out", str(out)])
+        finally:
+            server.should_exit = True
+            await serving
+        result = json.loads(out.read_text())
+        assert result["summary"]["errors"] == 0 and result["summary"]["requests"] == 8
+        sent = {(q["adapter"], q["model"]) for q in result["requests"]}
+        assert sent == {("t-8a", "a8"), ("t-8b", "b8"), ("t-64", "c64"), ("t-128", "d128")}
+        assert all(q["output_tokens"] == 3 for q in result["requests"])  # usage forwarded
+        for model in ("a8", "b8", "c64", "d128"):
+            assert sum(core.metrics.requests.labels(model, str(e), "ok")._value.get()
+                       for e in (0, 1)) == 2
+    run_router(upstreams, body)

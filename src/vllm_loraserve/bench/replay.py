@@ -51,7 +51,8 @@ class Outcome:
 
 
 def served_adapters(base_url: str) -> dict[str, int]:
-    """Served adapter name -> rank, from the plugin's adapter listing."""
+    """Served adapter name -> rank, from the adapter listing a plugin server
+    and the router both serve."""
     r = httpx.get(f"{base_url}/loraserve/v1/adapters", timeout=30)
     r.raise_for_status()
     return {a["name"]: a["rank"] for a in r.json()["adapters"] if a["status"] == "ready"}

@@ -2,7 +2,9 @@
 
 - proxy.py: the public routes: the OpenAI API (`/v1/models`,
   `/v1/completions`, `/v1/chat/completions`, streaming too) proxied to the
-  chosen engine, `/health`, `/metrics`;
+  chosen engine, `/health`, `/metrics`, the adapter listing
+  `/loraserve/v1/adapters` (the fields a plugin server's has that the router
+  knows);
 - body.py: what the proxy reads of a request body, refused (400) where an
   engine would refuse it, and the body it forwards;
 - admin.py: the `/admin` routes (status, adapters, placement, rebalance,

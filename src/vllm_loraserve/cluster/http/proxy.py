@@ -1,5 +1,5 @@
 """The router's public routes: the OpenAI API proxied to engines, `/health`,
-`/metrics`.
+`/metrics`, and the adapter listing of a plugin server (`/loraserve/v1/adapters`).
 
 A request that fails before its first byte (engine down) is retried once on
 another engine that holds the adapter; a failure after that ends the stream
@@ -100,6 +100,18 @@ async def models(state: State) -> dict:
               "rank": core.catalog[v], "alias_of": v}
              for a, v in sorted(core.aliases.items()) if a not in core.catalog]
     return {"object": "list", "data": data}
+
+
+@routes.get("/loraserve/v1/adapters")
+async def adapter_listing(state: State) -> dict:
+    """The plugin server's listing, with the fields the router knows (name,
+    status, rank; the reason of an invalid one), so a client of one engine
+    (`loraserve bench replay --map-by-rank`) works against the router too.
+    Residency is per engine: each engine's own listing has it."""
+    core = state.core
+    ready = [{"name": a, "status": "ready", "rank": r} for a, r in core.catalog.items()]
+    invalid = [{"name": a, "status": "invalid", "error": why} for a, why in core.invalid.items()]
+    return {"adapters": sorted(ready + invalid, key=lambda x: x["name"])}
 
 
 @routes.post("/v1/completions")
