@@ -11,6 +11,7 @@ import torch
 
 from vllm_loraserve.adapters.peft import (
     AdapterError,
+    BadWeights,
     ModelLoRAInfo,
     check_against_model,
     check_finite_weights,
@@ -305,6 +306,58 @@ def test_scaling_that_overflows_the_serving_dtype_is_refused(tmp_path):
     with pytest.raises(AdapterError, match=r"scaling 5e\+38 \(lora_alpha 1e\+39 / "
                        r"sqrt\(r=4\), rsLoRA\) is above 3\.39e\+38"):
         check_finite_weights(rs, BF16_MAX)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_nan_or_inf_is_found_wherever_it_lies(dtype):
+    """The check's one reduction (torch.aminmax) propagates NaN and Inf from
+    any element: vector lanes, tails and the first element alike."""
+    from vllm_loraserve.adapters.peft import _abs_max
+
+    for n in (1, 7, 16, 33, 67, 1031):
+        t = -torch.arange(n, dtype=torch.float32).to(dtype)
+        assert _abs_max(t) == float(t.float().abs().max())
+        for i in {0, n // 2, n - 1}:
+            for bad in (math.nan, math.inf, -math.inf):
+                u = t.clone()
+                u[i] = bad
+                assert not math.isfinite(_abs_max(u)), (n, i, bad)
+
+
+def _break(path, value, kind="lora_B"):
+    """One weight of `kind` set to `value`; its key."""
+    from safetensors.torch import load_file, save_file
+
+    st = os.path.join(path, "adapter_model.safetensors")
+    tensors = load_file(st)
+    key = next(k for k in sorted(tensors) if kind in k)
+    tensors[key][0, 0] = value
+    save_file(tensors, st)
+    return key
+
+
+def test_read_weights_checks_the_values_in_the_buffer_it_fills(tmp_path):
+    """The paged pool's read (`max_value`) refuses what check_finite_weights
+    refuses, from the bytes it read: NaN/Inf in A or B, a scaling, or
+    scaling * max|B|, beyond the serving dtype."""
+    ok = _write(tmp_path / "ok", rank=4, alpha=8)
+    spec, raw = read_weights(ok, _alloc, FP16_MAX)
+    assert spec == inspect_adapter(ok) and raw.modules.keys() == DIMS.keys()
+    for kind, value in (("lora_A", math.nan), ("lora_B", -math.inf)):
+        path = _write(tmp_path / kind, rank=4, alpha=8)
+        module = _break(path, value, kind).removeprefix("base_model.model.") \
+            .removesuffix(f".{kind}.weight")
+        with pytest.raises(BadWeights, match=rf"tensor {kind} of {module} holds non-finite "
+                           r"values \(NaN or Inf\)"):
+            read_weights(path, _alloc, BF16_MAX)
+        read_weights(path, _alloc)  # no max_value: the bytes only
+    big = _write(tmp_path / "big", rank=4, alpha=4 * 1.01 * FP16_MAX / _b_max(ok))
+    read_weights(big, _alloc, BF16_MAX)
+    with pytest.raises(BadWeights, match=r"times the largest \|lora_B\| weight .* above "
+                       r"6\.55e\+04.*lora_alpha is too large"):
+        read_weights(big, _alloc, FP16_MAX)
+    with pytest.raises(BadWeights, match=r"scaling 2\.5e\+29 .* is above 6\.55e\+04"):
+        read_weights(_write(tmp_path / "absurd", rank=4, alpha=1e30), _alloc, FP16_MAX)
 
 
 # adapter_config.json bytes -> what the message says. Every parser failure

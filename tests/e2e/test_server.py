@@ -70,7 +70,7 @@ def server(tiny_assets, victims, tmp_path_factory, runtime_root):
             "--loraserve-adapter-dir", str(victims),
             "--loraserve-allowed-root", str(runtime_root),
             "--lora-modules", f"static-ok={adapters}/adapter-001-r16",
-            f"static-bad={bad}/rank-256"]
+            f"static-bad={bad}/rank-256", f"static-inf={bad}/{INF_WEIGHTS}"]
     with vllm_server(os.path.join(tiny_assets, "model"), args,
                      str(tmp_path_factory.mktemp("log")),
                      env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as url:
@@ -180,8 +180,9 @@ def test_concurrent_adapters_with_one_vllm_slot_match_hf_peft(server, tiny_asset
     assert not problems, "\n".join(problems)
 
 
-# Adapters the server's start-up finds invalid besides EXPECTED_REASONS.
-OTHER_REASONS = {"static-bad": "rank 256",
+# Adapters the server's start-up finds invalid besides EXPECTED_REASONS
+# (static-inf: its worker's read refused it, at its --lora-modules load).
+OTHER_REASONS = {"static-bad": "rank 256", "static-inf": "holds non-finite values (NaN or Inf)",
                  "file-link": "its file 'adapter_model.safetensors' resolves to"}
 
 
@@ -196,11 +197,10 @@ def test_bad_adapter_gets_400_with_reason_and_others_keep_serving(server, name):
     assert _complete(server, BASE).status_code == 200
 
 
-# Why an adapter broken on disk cannot be served: the engine's read failed,
-# or (directory adapters, broken before their first request) the frontend's
-# first-request read of the tensors (check_finite_weights) failed.
+# Why an adapter broken on disk cannot be served: the engine's read failed
+# (with the paged pool the API server reads no tensors, so nothing else can
+# find it broken).
 ENGINE_READ = "its files could not be read"
-FIRST_CHECK_READ = "are unreadable"
 
 
 def _read_failure(response, name, reasons=(ENGINE_READ,)):
@@ -215,10 +215,9 @@ def test_adapters_broken_on_disk_after_their_checks_fail_alone(server, victims, 
     after it left the host tier): an adapter's requests fail with a message naming it,
     the requests sent with them are answered exactly, the adapter is listed
     invalid with the reason, and the engine keeps serving. (The directory
-    victims are broken before their first request, whose tensor check may
-    catch them before the engine does; the runtime load was checked at load,
-    so only the engine can find it broken.)"""
-    either = (ENGINE_READ, FIRST_CHECK_READ)
+    victims are broken before their first request, the runtime loads after
+    their read at load: only the engine's read finds either broken.)"""
+    either = (ENGINE_READ,)
     weights = victims / "victim-truncated" / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
     shutil.rmtree(victims / "victim-deleted")
@@ -512,7 +511,10 @@ def test_same_name_load_unload_storm(server, tiny_assets, runtime_root):
 
 def test_non_finite_adapters_are_400(server, tiny_assets, runtime_root):
     """NaN alpha (header) and Inf weights (tensors): 400 at load or on first
-    request; the adapter listing keeps answering."""
+    request, naming the adapter and the problem; the adapter listing keeps
+    answering, other adapters keep being served. The tensors are checked by
+    the worker's read into the host tier (its add_lora at a runtime load, its
+    reader on the directory adapter's first request)."""
     nan_alpha = runtime_root / "nan"
     build_bad_adapters(tiny_assets, str(nan_alpha))
     r = httpx.post(f"{server}/v1/load_lora_adapter", json={
@@ -521,17 +523,25 @@ def test_non_finite_adapters_are_400(server, tiny_assets, runtime_root):
     inf = build_inf_weights(tiny_assets, str(runtime_root))
     r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "inf-rt",
                                                           "lora_path": inf})
-    assert r.status_code == 400 and "non-finite values" in r.json()["error"]["message"]
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(
+        "LoRA adapter 'inf-rt' cannot be served: tensor lora_"), r.text
+    assert "holds non-finite values (NaN or Inf)" in r.json()["error"]["message"]
+    assert "inf-rt" not in _adapters(server)  # a refused runtime load leaves nothing
     # finite, but B * scaling overflows the serving dtype
     huge = build_huge_alpha(tiny_assets, str(runtime_root))
     r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "huge-rt",
                                                           "lora_path": huge})
     assert r.status_code == 400, r.text
     assert "the largest value of the serving dtype" in r.json()["error"]["message"]
-    # the directory adapter: its first request reads the tensors
+    # the directory adapter: its first request's read in the worker refuses it
     r = _complete(server, INF_WEIGHTS)
-    assert r.status_code == 400 and "non-finite values" in r.json()["error"]["message"]
-    assert _complete(server, INF_WEIGHTS).status_code == 400
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert f"LoRA adapter '{INF_WEIGHTS}' cannot be served: tensor lora_" in message
+    assert "holds non-finite values (NaN or Inf)" in message and ENGINE_READ not in message
+    r = _complete(server, INF_WEIGHTS)  # now refused by the API server at once
+    assert r.status_code == 400 and message.startswith(r.json()["error"]["message"])
     listed = _adapters(server)
     assert listed[INF_WEIGHTS]["status"] == "invalid"
     assert listed["nan-alpha"]["status"] == "invalid"

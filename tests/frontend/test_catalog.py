@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 
 import torch
 
@@ -153,6 +154,52 @@ def test_directory_adapter_weights_are_read_on_first_use(tmp_path):
     assert cat.entries["n"].spec is None and cat.invalid_reason("n") == bad
     assert cat.entries["ok"].weights_checked
 
+
+
+def test_a_paged_pool_catalogue_reads_no_tensor(tmp_path, monkeypatch):
+    """With the paged pool (no `max_weight`) the workers check the tensors as
+    they read them: the catalogue reads none, at a runtime load or on a
+    directory adapter's first request, and a NaN adapter stays servable
+    here (its worker refuses it, worker/paged_manager.py `_read_file`)."""
+    from vllm_loraserve.frontend import catalog as catalog_module
+
+    def no_read(spec, max_value):
+        raise AssertionError(f"the API server read {spec.path}'s tensors")
+
+    monkeypatch.setattr(catalog_module, "check_finite_weights", no_read)
+
+    async def fetch():
+        return MODEL
+
+    cat = AdapterCatalog(fetch, None)
+    entry = asyncio.run(cat.inspect("n", _nan_adapter(tmp_path / "n"), "runtime",
+                                    read_weights=True))
+    assert entry.error is None and entry.spec is not None
+    asyncio.run(cat.admit("d", _nan_adapter(tmp_path / "d"), "adapter-dir"))
+    assert asyncio.run(cat.check_weights("d")) is None
+    assert cat.entries["d"].spec is not None
+
+
+def test_vllm_pool_checks_run_on_the_catalogues_own_threads(tmp_path, monkeypatch):
+    """`--loraserve-pool vllm`: the catalogue reads the tensors, neither on the
+    event loop nor on its default thread pool."""
+    from vllm_loraserve.frontend import catalog as catalog_module
+
+    threads = []
+    check = catalog_module.check_finite_weights
+
+    def recorded(spec, max_value):
+        threads.append(threading.current_thread().name)
+        return check(spec, max_value)
+
+    monkeypatch.setattr(catalog_module, "check_finite_weights", recorded)
+    cat, _ = _catalog()
+    entry = asyncio.run(cat.inspect("n", _nan_adapter(tmp_path / "n"), "runtime",
+                                    read_weights=True))
+    assert "non-finite values" in entry.error
+    asyncio.run(cat.admit("ok", _adapter(tmp_path / "ok"), "adapter-dir"))
+    assert asyncio.run(cat.check_weights("ok")) is None
+    assert len(threads) == 2 and all(t.startswith("loraserve-check") for t in threads), threads
 
 
 def test_scaling_is_checked_in_the_serving_dtype(tmp_path):

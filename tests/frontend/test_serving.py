@@ -102,3 +102,16 @@ def test_start_up_logs_each_invalid_adapter_with_its_reason_capped(tmp_path, cap
     assert sorted(models.lora_requests) == ["good-0", "good-1", "good-2"]
     assert catalog.entries["a-file-link"].to_json([])["status"] == "invalid"
     assert catalog.counts()["invalid"] == n_bad
+
+
+def test_a_workers_refusal_reaches_the_client_unwrapped():
+    """A runtime load the worker's read refused (NaN weights): the 400 says
+    the worker's reason, not vLLM's wrapping of it (engine-core utility call,
+    multiprocess executor), whose "stack trace above" is in the server's log."""
+    reason = "tensor lora_A of model.layers.0.mlp.down_proj holds non-finite values (NaN or Inf)"
+    for message in (
+            f"Call to add_lora method failed: {reason}",
+            f"Call to add_lora method failed: Worker failed with error '{reason}', please "
+            "check the stack trace above for the root cause"):
+        assert serving._worker_reason(message) == reason
+    assert serving._worker_reason("something else") == "something else"

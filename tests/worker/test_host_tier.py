@@ -4,6 +4,7 @@ an evicted entry's memory held until the engine's copies from it are done."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 from dataclasses import dataclass
@@ -292,4 +293,111 @@ def test_a_removed_adapter_read_back_goes_once_nothing_needs_it():
     t.drop_removed(resident=())
     assert t.ids() == [1] and t.bytes_used == ALIGN  # 1 was never removed
     t.end_step()
+    t.check()
+
+
+@dataclass
+class FileReq:
+    lora_int_id: int
+    path: str
+
+    @property
+    def lora_name(self) -> str:
+        return f"a{self.lora_int_id}"
+
+
+def test_the_values_are_checked_in_the_read_once_on_a_reader(tmp_path, monkeypatch):
+    """The pool's read (adapters/peft.py `read_weights` with the serving
+    dtype's range, as worker/paged_manager.py `_read_file` calls it): the
+    NaN/Inf and overflow check runs on the reader thread, over the tier's own
+    buffer, and each weights file's bytes are read once; a refused adapter
+    fails alone with a reason that says what is wrong with it, and the
+    others are read and kept."""
+    from vllm_loraserve.adapters import peft
+
+    dims = {f"model.layers.{i}.self_attn.q_proj": (64, 64) for i in range(2)}
+
+    def adapter(name, alpha=8.0, bad=None):
+        g = torch.Generator().manual_seed(len(name))
+        w = {m: (torch.randn(4, i, generator=g), torch.randn(o, 4, generator=g))
+             for m, (i, o) in dims.items()}
+        if bad is not None:
+            w["model.layers.1.self_attn.q_proj"][1][3, 2] = bad
+        peft.write_adapter(str(tmp_path / name), w, rank=4, alpha=alpha, base_model="x")
+        return str(tmp_path / name)
+
+    # 2: scaling 2e4 is fine in fp16, times its largest |B| (10) it is not
+    paths = {0: adapter("ok"), 1: adapter("nan", bad=float("nan")),
+             2: adapter("huge", alpha=8e4, bad=10.0), 3: adapter("ok2")}
+    fp16_max = torch.finfo(torch.float16).max
+    t = HostTier(PinnedArena(64 * ALIGN, 1, pinned=False),
+                 lambda req, alloc: peft.read_weights(req.path, alloc, fp16_max), threads=2)
+
+    bytes_read: dict[str, int] = {}
+    real_open = open
+
+    class Counted:  # a weights file: every byte Python reads from it, counted
+        def __init__(self, f, path):
+            self.f, self.path = f, path
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def seek(self, *a):
+            return self.f.seek(*a)
+
+        def fileno(self):
+            return self.f.fileno()
+
+        def read(self, n=-1):
+            data = self.f.read(n)
+            bytes_read[self.path] = bytes_read.get(self.path, 0) + len(data)
+            return data
+
+        def readinto(self, buf):
+            n = self.f.readinto(buf)
+            bytes_read[self.path] = bytes_read.get(self.path, 0) + n
+            return n
+
+    def counted_open(path, *a, **kw):
+        f = real_open(path, *a, **kw)
+        return Counted(f, path) if str(path).endswith(peft.SAFETENSORS_FILE) else f
+
+    checked = []
+    check = peft.check_weight_values
+
+    def in_arena(x):
+        return any(c.data_ptr() <= x.data_ptr() < c.data_ptr() + c.numel()
+                   for c in t.arena.chunks)
+
+    def recorded(spec, tensors, max_value):
+        def seen():
+            for name, x, is_b in tensors:
+                checked.append((threading.current_thread().name, spec.path, in_arena(x)))
+                yield name, x, is_b
+        return check(spec, seen(), max_value)
+
+    monkeypatch.setattr(peft, "open", counted_open, raising=False)
+    monkeypatch.setattr(peft, "check_weight_values", recorded)
+    monkeypatch.setattr(peft, "_read_tensors", lambda path: pytest.fail(f"{path} read twice"))
+    for i, path in paths.items():
+        assert t.prefetch(FileReq(i, path), ALIGN)
+    settle(t)
+
+    report = t.report()
+    assert report.host_ready == {0, 3} and sorted(t.ids()) == [0, 3]
+    assert report.failed[1] == ("tensor lora_B of model.layers.1.self_attn.q_proj holds "
+                                "non-finite values (NaN or Inf)")
+    assert "largest |lora_B| weight 10 is 2e+05, above 6.55e+04, the largest value of the " \
+        "serving dtype" in report.failed[2]
+    assert not any("could not be read" in r for r in report.failed.values())
+    for i, path in paths.items():  # each file's bytes once: its header, then its data
+        st = os.path.join(path, peft.SAFETENSORS_FILE)
+        assert bytes_read[st] == os.path.getsize(st), (i, bytes_read)
+    assert checked and all(name.startswith("loraserve-read") and in_tier
+                           for name, _, in_tier in checked), checked
+    assert {p for _, p, _ in checked} == set(paths.values())
     t.check()

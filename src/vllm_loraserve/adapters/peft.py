@@ -8,9 +8,12 @@ module `M` contributes `base_model.model.<M>.lora_A.weight` of shape
 `scaling * B @ A` with `scaling = alpha / r` (rsLoRA: `alpha / sqrt(r)`).
 
 `inspect_adapter` reads only the config and the safetensors header, so
-cataloguing thousands of adapters costs no tensor reads; `check_finite_weights`
-reads the tensors, once per adapter before its first use. `check_against_model`
-compares the result with what the served model accepts. Both raise or return
+cataloguing thousands of adapters costs no tensor reads. `check_weight_values`
+refuses NaN/Inf and a scaling that overflows the serving dtype: over the
+buffer `read_weights` fills (the paged pool's reader, so an adapter's files
+are read once), or over the files (`check_finite_weights`: the cluster
+router, and the API server of `--loraserve-pool vllm`). `check_against_model`
+compares the result with what the served model accepts. All raise or return
 messages written for the person who sent the adapter.
 
 Every failure to read or parse an adapter's files is an `AdapterError` (the
@@ -26,7 +29,7 @@ import json
 import math
 import os
 import reprlib
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +53,11 @@ _show = _REPR.repr
 
 class AdapterError(ValueError):
     """An adapter that cannot be served; the message says why."""
+
+
+class BadWeights(AdapterError):
+    """Weights that read fine but cannot be served: NaN or Inf, or a scaling
+    that overflows the serving dtype (`check_weight_values`)."""
 
 
 @dataclass(frozen=True)
@@ -222,33 +230,56 @@ def _read_tensors(path: str) -> dict[str, Any]:
         raise AdapterError(f"the adapter weights in {path} are unreadable: {e}") from None
 
 
-def check_finite_weights(spec: PeftSpec, max_value: float) -> None:
-    """Raise AdapterError naming the first tensor that holds NaN or Inf, or
+def _abs_max(t: Any) -> float:
+    """max|t| in one pass over `t` (`torch.aminmax`, which propagates NaN
+    and Inf: nan or inf then); 0 for an empty tensor."""
+    import torch
+
+    if not t.numel():
+        return 0.0
+    if not t.is_floating_point():  # a header may declare integer weights
+        t = t.to(torch.float64)
+    lo, hi = (float(v) for v in torch.aminmax(t))
+    return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
+
+
+def check_weight_values(spec: PeftSpec, tensors: Iterable[tuple[str, Any, bool]],
+                        max_value: float) -> None:
+    """Raise BadWeights naming the first tensor that holds NaN or Inf, or
     saying that the adapter's scaling overflows the serving dtype, whose
     largest finite value is `max_value` (`torch.finfo(dtype).max`): the pool
     folds the scaling into B (paging/layout.py `pack_layers`, vLLM's
     `LoRALayerWeights.optimize` likewise), so scaling * max|B| must be finite
     in that dtype, and so must the scaling itself.
 
-    Reads every tensor (unlike `inspect_adapter`): callers run it off the
-    event loop, once per adapter version."""
-    import torch
-
+    `tensors`: (how a message names it, the tensor, whether it is a B
+    weight). One pass over each tensor's memory (benchmarks/cold_start/
+    check_rate.py measures it)."""
     scale = f"scaling {spec.scaling:.4g} (lora_alpha {spec.alpha:.4g} / " + \
         (f"sqrt(r={spec.rank}), rsLoRA)" if spec.use_rslora else f"r={spec.rank})")
     if spec.scaling > max_value:
-        raise AdapterError(f"{scale} is above {max_value:.4g}, the largest value of the "
-                           "serving dtype")
+        raise BadWeights(f"{scale} is above {max_value:.4g}, the largest value of the "
+                         "serving dtype")
     max_b = 0.0
-    for key, t in _read_tensors(spec.path).items():
-        if not bool(torch.isfinite(t).all()):
-            raise AdapterError(f"tensor {key!r} holds non-finite values (NaN or Inf)")
-        if _KINDS.get(_split_key(key)[1]) == "B" and t.numel():
-            max_b = max(max_b, float(t.abs().max()))
+    for name, t, is_b in tensors:
+        m = _abs_max(t)
+        if not math.isfinite(m):
+            raise BadWeights(f"tensor {name} holds non-finite values (NaN or Inf)")
+        if is_b:
+            max_b = max(max_b, m)
     if spec.scaling * max_b > max_value:
-        raise AdapterError(f"{scale} times the largest |lora_B| weight {max_b:.4g} is "
-                           f"{spec.scaling * max_b:.4g}, above {max_value:.4g}, the largest "
-                           "value of the serving dtype: lora_alpha is too large")
+        raise BadWeights(f"{scale} times the largest |lora_B| weight {max_b:.4g} is "
+                         f"{spec.scaling * max_b:.4g}, above {max_value:.4g}, the largest "
+                         "value of the serving dtype: lora_alpha is too large")
+
+
+def check_finite_weights(spec: PeftSpec, max_value: float) -> None:
+    """`check_weight_values` over the adapter's files: reads every tensor
+    (unlike `inspect_adapter`), so callers run it off the event loop, once
+    per adapter version. The paged pool checks the bytes its reader keeps
+    instead (`read_weights`' `max_value`)."""
+    check_weight_values(spec, ((repr(key), t, _KINDS.get(_split_key(key)[1]) == "B")
+                               for key, t in _read_tensors(spec.path).items()), max_value)
 
 
 def inspect_adapter(path: str) -> PeftSpec:
@@ -388,11 +419,14 @@ def _safetensors_index(st_path: str, path: str
     return 8 + n, size, index
 
 
-def read_weights(path: str, alloc: Any) -> tuple[PeftSpec, RawWeights]:
+def read_weights(path: str, alloc: Any, max_value: float | None = None
+                 ) -> tuple[PeftSpec, RawWeights]:
     """An adapter's spec (checked as `inspect_adapter` does) and its tensors
     in one buffer that `alloc(nbytes)` returns (a uint8 tensor, e.g. pinned).
     A safetensors file's data goes in with one `readinto`; an
-    adapter_model.bin is loaded, then copied in."""
+    adapter_model.bin is loaded, then copied in. With `max_value`, the
+    values are checked too (`check_weight_values`), in that buffer: the files
+    are read once."""
     import torch
 
     dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -435,7 +469,12 @@ def read_weights(path: str, alloc: Any) -> tuple[PeftSpec, RawWeights]:
             (a.shape, b.shape) != ((s.rank, s.in_features), (s.out_features, s.rank))
             for m, s in spec.modules.items() for a, b in [modules[m]]):
         raise AdapterError(f"the adapter weights in {spec.path} changed while being read")
-    return spec, RawWeights(data, modules)
+    raw = RawWeights(data, modules)
+    if max_value is not None:
+        check_weight_values(spec, ((f"lora_{kind} of {m}", t, kind == "B")
+                                   for m, ab in raw.tensors().items()
+                                   for kind, t in zip("AB", ab, strict=True)), max_value)
+    return spec, raw
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,15 @@ Adapters come from `--lora-modules`, `--loraserve-adapter-dir` and runtime
 `/v1/load_lora_adapter` calls. Each is inspected (config and safetensors
 header only) and checked against the served model *before* its name becomes
 routable: vLLM reads adapters inside the engine step, where a bad one takes
-the whole engine down. Its tensors are read once for NaN/Inf and for a
-scaling that overflows the serving dtype: at a runtime or `--lora-modules`
-load, or on the first request for a directory adapter.
+the whole engine down. Its tensors (NaN/Inf, a scaling that overflows the
+serving dtype) are not read here with the paged pool: its workers check them
+as they read them into the host tier, once, and a failure there is that
+adapter's alone (a refused runtime or `--lora-modules` load, or its
+requests' error, frontend/serving.py `note_engine_failure`). With
+`--loraserve-pool vllm`, whose workers have no such isolation, the catalogue
+reads them, on threads of its own (not the event loop's default pool): at a
+runtime or `--lora-modules` load, or on the first request for a directory
+adapter.
 Invalid configured adapters stay in the catalogue with the reason, so
 requests naming them get a 4xx that says what is wrong; a refused runtime
 load only gets its 4xx.
@@ -21,6 +27,7 @@ import contextlib
 import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +50,9 @@ RESIDENCIES = ("disk", "host", "device")
 # A worker buffers at most this many load events, so no older id can still
 # have events to name.
 MAX_RETIRED_IDS = MAX_BUFFERED_EVENTS
+# `--loraserve-pool vllm` only: the tensor reads of `check_finite_weights`,
+# kept off the event loop's default pool (vLLM's own work runs there).
+WEIGHT_CHECK_THREADS = 2
 
 
 @dataclass
@@ -55,7 +65,8 @@ class AdapterEntry:
     lora_int_id: int | None = None
     residency: str = "disk"
     pages: int | None = None  # pages held in the paged pool, when resident there
-    weights_checked: bool = False  # tensors read for NaN/Inf (check_finite_weights)
+    # tensors read for NaN/Inf (check_finite_weights; `--loraserve-pool vllm` only)
+    weights_checked: bool = False
 
     def to_json(self, roots: Collection[str]) -> dict[str, Any]:
         """The entry for clients: paths relative to the adapter `roots`
@@ -107,11 +118,16 @@ class AdapterCatalog:
     with its reason and leaves no entry (so nothing grows with bad requests)."""
 
     def __init__(self, fetch_model_info: Callable[[], Awaitable[ModelLoRAInfo]],
-                 max_weight: float) -> None:
+                 max_weight: float | None) -> None:
         """`max_weight`: the largest finite value of the serving dtype, which
-        B * scaling must not exceed (`check_finite_weights`)."""
+        B * scaling must not exceed (`check_finite_weights`), for a catalogue
+        that reads the tensors itself; None when the workers check them as
+        they read them (the paged pool): then this catalogue never reads a
+        tensor."""
         self._fetch_model_info = fetch_model_info
         self._max_weight = max_weight
+        self._checks = None if max_weight is None else ThreadPoolExecutor(
+            WEIGHT_CHECK_THREADS, thread_name_prefix="loraserve-check")
         self._model_info: ModelLoRAInfo | None = None
         self.entries: dict[str, AdapterEntry] = {}
         self._names_by_id: dict[int, str] = {}
@@ -135,17 +151,22 @@ class AdapterCatalog:
             self._model_info = await self._fetch_model_info()
         return self._model_info
 
+    def _check_finite(self, spec: PeftSpec) -> asyncio.Future[None]:
+        return asyncio.get_running_loop().run_in_executor(
+            self._checks, check_finite_weights, spec, self._max_weight)
+
     async def inspect(self, name: str, path: str, source: str,
                       read_weights: bool = False) -> AdapterEntry:
         """Inspect and check an adapter against the model; nothing is recorded.
         `read_weights`: also read every tensor for NaN/Inf and the scaling's
-        overflow (in a thread)."""
+        overflow (on the catalogue's threads), if this catalogue checks
+        tensors at all (`max_weight`)."""
         entry = AdapterEntry(name=name, path=os.path.abspath(path), source=source)
         try:
             spec = inspect_adapter(path)
             check_against_model(spec, await self.model_info())
-            if read_weights:
-                await asyncio.to_thread(check_finite_weights, spec, self._max_weight)
+            if read_weights and self._checks is not None:
+                await self._check_finite(spec)
                 entry.weights_checked = True
             entry.spec = spec
         except AdapterError as e:
@@ -172,14 +193,15 @@ class AdapterCatalog:
 
     async def check_weights(self, name: str) -> str | None:
         """Why `name` cannot be served, reading its tensors on first use if
-        that was not done at admission (adapter directories); None if it can."""
+        that was not done at admission (adapter directories, when this
+        catalogue checks tensors); None if it can."""
         entry = self.entries.get(name)
-        if entry is None or entry.spec is None or entry.weights_checked:
+        if entry is None or entry.spec is None or entry.weights_checked or \
+                self._checks is None:
             return None if entry is None else entry.error
         check = self._weight_checks.get(name)
         if check is None:  # one read per adapter version, shared by concurrent requests
-            check = asyncio.ensure_future(asyncio.to_thread(check_finite_weights,
-                                                            entry.spec, self._max_weight))
+            check = self._check_finite(entry.spec)
             self._weight_checks[name] = check
         try:
             await asyncio.shield(check)

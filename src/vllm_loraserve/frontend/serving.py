@@ -6,8 +6,12 @@ With the plugin active:
 - every adapter is inspected and checked against the model before vLLM sees
   it (`AdapterCatalog.inspect`); a bad one is refused with HTTP 400 and a
   reason instead of failing start-up (static `--lora-modules`) or the engine
-  step; its tensors are read once for NaN/Inf and for a scaling that
-  overflows the serving dtype (directory adapters: on their first request);
+  step; its tensors are checked once for NaN/Inf and for a scaling that
+  overflows the serving dtype: with the paged pool by the worker that reads
+  them (a runtime or `--lora-modules` load's add_lora fails, and gets the
+  400; a directory adapter's first request fails, `note_engine_failure`),
+  with `--loraserve-pool vllm` here (directory adapters: on their first
+  request);
 - names must be safe identifiers, neither they nor their alias a served
   model's name, and a plain name must not be the alias of served versions
   (400; the alias rule in adapters/safety.py), and a runtime
@@ -24,10 +28,10 @@ With the plugin active:
   names keep vLLM's 404;
 - a duplicate load vLLM refuses, or a refused runtime load, leaves the
   catalogue as it was;
-- an adapter the engine could not serve after all (its files changed on
-  disk after the checks) is marked invalid with the engine's reason when its
-  first request fails, and that request's error names it
-  (`note_engine_failure`);
+- an adapter the engine could not serve after all (weights its worker
+  refused as it read them, or files changed on disk after the checks) is
+  marked invalid with the engine's reason when its first request fails, and
+  that request's error names it (`note_engine_failure`);
 - `/v1/unload_lora_adapter` also frees the worker's copy (vLLM alone only
   forgets the name);
 - loading a versioned name `name@version` (vllm_loraserve.train publishes
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import weakref
 from http import HTTPStatus
 from typing import Any
@@ -105,10 +110,14 @@ def _make_catalog(models: Any) -> AdapterCatalog:
         raw = (await engine_client.collective_rpc("loraserve_lora_modules"))[0]
         return ModelLoRAInfo.from_wire(raw, engine_client.vllm_config.lora_config.max_lora_rank)
 
-    # The dtype the pool and vLLM hold B * scaling in (VllmConfig resolved
-    # "auto" to the model's dtype: LoRAConfig.verify_with_model_config).
-    lora_dtype = engine_client.vllm_config.lora_config.lora_dtype
-    catalog = AdapterCatalog(fetch, torch.finfo(lora_dtype).max)
+    # The dtype vLLM holds B * scaling in (VllmConfig resolved "auto" to the
+    # model's dtype: LoRAConfig.verify_with_model_config). The paged pool's
+    # workers check the tensors as they read them (worker/paged_manager.py
+    # `_read_file`): this process reads none then.
+    vllm_config = engine_client.vllm_config
+    paged = from_vllm_config(vllm_config).pool == "paged"
+    catalog = AdapterCatalog(
+        fetch, None if paged else torch.finfo(vllm_config.lora_config.lora_dtype).max)
     _CATALOGS.add(catalog)
     return catalog
 
@@ -131,6 +140,23 @@ def note_engine_failure(req_state: Any, reason: str) -> None:
     if req_state.queue is not None:  # AsyncLLM; the offline LLM returns the output
         req_state.queue.put(VLLMValidationError(_bad_adapter_message(name, reason),
                                                 parameter="model"))
+
+
+# How vLLM wraps a worker's add_lora error on its way to the API server:
+# EngineCoreProc._invoke_utility_method, then (multiprocess executor)
+# MultiprocExecutor.collective_rpc, whose "stack trace above" is the server's log.
+_UTILITY_PREFIX = "Call to add_lora method failed: "
+_WORKER_ERROR = re.compile(r"Worker failed with error '(.*)', please check the stack trace "
+                           r"above for the root cause", re.DOTALL)
+
+
+def _worker_reason(message: str) -> str:
+    """The worker's own reason for refusing an adapter (e.g. NaN weights its
+    read found) out of vLLM's wrapping; the message as it is if vLLM wraps
+    it some other way."""
+    message = message.removeprefix(_UTILITY_PREFIX)
+    inner = _WORKER_ERROR.fullmatch(message)
+    return inner.group(1) if inner else message
 
 
 def _make_load_lora_adapter(load_lora_adapter):
@@ -191,10 +217,11 @@ async def _load(models: Any, catalog: AdapterCatalog, load_lora_adapter, request
         return _bad_adapter(name, entry.error)
     result = await load_lora_adapter(models, request, base_model_name)
     if isinstance(result, ErrorResponse):
+        reason = _worker_reason(result.error.message)
         if keep_invalid and name not in models.lora_requests:
-            entry.spec, entry.error = None, result.error.message
+            entry.spec, entry.error = None, reason
             catalog.record(entry)
-        return _bad_adapter(name, result.error.message)
+        return _bad_adapter(name, reason)
     catalog.record(entry)
     catalog.bind(name, models.lora_requests[name].lora_int_id)
     alias = alias_of(name)
@@ -338,8 +365,8 @@ def _make_check_model(check_model):
             reason = await catalog.check_weights(name)
             if reason is not None:
                 # Only an adapter the engine never loaded can fail its check
-                # here (a directory adapter on its first request): vLLM
-                # forgets it too. One the engine failed (`note_engine_failure`)
+                # here (`--loraserve-pool vllm`: a directory adapter on its
+                # first request): vLLM forgets it too. One the engine failed (`note_engine_failure`)
                 # stays registered, so unloading it also clears the worker.
                 if not failed_before and self.models.lora_requests.get(name) is not None and \
                         catalog.entries[name].source == "adapter-dir":

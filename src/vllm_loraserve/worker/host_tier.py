@@ -3,11 +3,12 @@
 Each entry is one adapter's weights file data in one extent of the tier's
 arena (worker/arena.py: allocated, and pinned on a GPU, once at start-up;
 nothing is pinned while serving), read with one copy by the `read` callable
-it is given (worker/paged_manager.py passes adapters/peft.py `read_weights`
-plus the pool's checks), so a device load is one host-to-device copy and
-never touches the disk. Entries are evicted least recently used first when
-a read needs room; an evicted adapter is read from disk again when next
-needed.
+it is given (worker/paged_manager.py passes adapters/peft.py `read_weights`,
+which checks the values in that buffer for NaN/Inf and overflow, plus the
+pool's layout checks), so an adapter's files are read once per entry and a
+device load is one host-to-device copy that never touches the disk.
+Entries are evicted least recently used first when a read needs room; an
+evicted adapter is read from disk again when next needed.
 
 Reads run on `threads` background readers (`prefetch`, from the
 scheduler's hints) or on the engine thread (`get`, for an adapter a step
@@ -25,7 +26,9 @@ method is for the engine thread alone.
 - Generations: a runtime add or remove of an adapter bumps its generation;
   a read started before commits nothing.
 - Failures: a read that raises (other than `NoRoom`) marks its adapter
-  failed with the reason, which `report` hands to the scheduler.
+  failed with the reason, which `report` hands to the scheduler: weights
+  the read refused (`BadWeights`: NaN/Inf, a scaling that overflows the
+  serving dtype) say so, anything else says the files could not be read.
 - Reuse of an evicted extent: the engine thread may still be copying from
   an entry it took with `get` when a reader evicts it. Entries are marked
   with the epoch of their last `get`; `end_step` closes the epoch with a
@@ -51,7 +54,7 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from vllm_loraserve.adapters.peft import RawWeights
+from vllm_loraserve.adapters.peft import BadWeights, RawWeights
 from vllm_loraserve.paging.layout import AdapterPlacement
 from vllm_loraserve.paging.step import MAX_REMOVED_IDS, PoolReport
 from vllm_loraserve.worker.arena import Extent, PinnedArena
@@ -306,7 +309,8 @@ class HostTier(Generic[T]):
             raise
         except Exception as e:
             # Adapter files are input: whatever they raise fails this adapter only.
-            reason = f"its files could not be read: {type(e).__name__}: {e}"
+            reason = str(e) if isinstance(e, BadWeights) else \
+                f"its files could not be read: {type(e).__name__}: {e}"
             with self._lock:
                 if extent is not None:
                     self._release(extent)
@@ -314,8 +318,8 @@ class HostTier(Generic[T]):
                 if record:
                     self._failed[lora_id] = reason
             if record:
-                logger.error("vllm-loraserve: adapter %s (id %d) %s", request.lora_name,
-                             lora_id, reason)
+                logger.error("vllm-loraserve: adapter %s (id %d) cannot be served: %s",
+                             request.lora_name, lora_id, reason)
             raise
         with self._lock:
             self._held.discard(extent)

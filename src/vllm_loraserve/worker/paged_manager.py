@@ -22,11 +22,12 @@ warm-up calls). Differences from vLLM:
   only if the tier dropped an adapter after reporting it. A runtime remove
   drops the adapter's copy; one read back for requests admitted before the
   remove goes once no page or waiting request needs it.
-- An adapter whose load fails at any stage (its files changed or removed on
-  disk after its checks, a module this model does not have, an error while
-  packing or writing its pages) is marked failed with the reason: its tokens
-  run without LoRA in that one step, and the scheduler fails its requests;
-  the engine goes on.
+- An adapter whose load fails at any stage (weights that hold NaN/Inf or
+  overflow the serving dtype, found by the read itself; its files changed or
+  removed on disk after its checks, a module this model does not have, an
+  error while packing or writing its pages) is marked failed with the
+  reason: its tokens run without LoRA in that one step, and the scheduler
+  fails its requests; the engine goes on.
 - Embedding and lm_head adapters are not wrapped, so the API server's checks
   refuse adapters that target them (HTTP 400, naming the module).
 """
@@ -225,11 +226,14 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
     def _read_file(self, lora_request: Any, alloc: Alloc) -> HostAdapter:
         """Disk -> host tier (its reader, on a reader thread or in a step):
         the weights file's data in one buffer of the tier's arena (one copy
-        per adapter; vLLM's loader pins every A and B tensor apart), checked
-        against the pool's layout. No tensor math here: readers scale with
-        threads, and the packing into page layout runs on the device at load
-        (`_device_streams`)."""
-        spec, raw = read_weights(lora_request.lora_path, alloc)
+        per adapter; vLLM's loader pins every A and B tensor apart), its
+        values checked there (NaN/Inf, scaling * max|B| within the serving
+        dtype: the API server reads no tensors, so this is the adapter's only
+        read), then against the pool's layout. No other tensor math here:
+        readers scale with threads, and the packing into page layout runs on
+        the device at load (`_device_streams`)."""
+        spec, raw = read_weights(lora_request.lora_path, alloc,
+                                 torch.finfo(self.lora_config.lora_dtype).max)
         layout = self.pool.layout
         slices = {s.name: s for s in layout.slices}
         where = {}

@@ -68,9 +68,12 @@ routes = APIRouter(dependencies=[Depends(_require_token)])
 
 def _read_adapter(path: str) -> PeftSpec:
     """Header checks, then every tensor (NaN/Inf): blocking, run in a thread.
-    The router does not know the engines' dtype: the scaling is checked
-    against bf16's range (float32's too), and each engine checks it again,
-    in its own dtype, when it loads the adapter."""
+    Each engine's worker checks the tensors again as it reads them (in its
+    own dtype), but the router reads them here anyway: registration is off
+    every request's path, no engine may be live to refuse the adapter, and
+    nothing refused is copied into the registry the engines fetch from. The
+    router does not know the engines' dtype: the scaling is checked against
+    bf16's range (float32's too)."""
     import torch
 
     spec = inspect_adapter(path)
