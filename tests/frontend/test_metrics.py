@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from prometheus_client import CollectorRegistry
 
 from vllm_loraserve.frontend.metrics import Metrics
+from vllm_loraserve.worker.report import PoolCounters
 
-POOL = {"adapter_pages": 3, "total_pages": 47, "host_bytes": 100, "page_loads": 5,
-        "page_evictions": 2, "page_loads_ahead": 1, "prefetch_hits": 3, "prefetch_misses": 2}
+POOL = PoolCounters(
+    page_loads=5, page_evictions=2, page_loads_ahead=1, load_pack_s=0.1, load_write_s=0.1,
+    adapter_pages=3, total_pages=47, page_size=1024, peak_batch_adapters=2, adapter_steps=4,
+    adapter_step_adapters=6, adapter_step_ranks=96, adapter_step_bytes=4096, host_bytes=100,
+    host_adapters=2, host_budget=1000, prefetch_hits=3, prefetch_misses=2)
 
 
 def test_worker_totals_are_counters():
@@ -32,13 +38,13 @@ def test_worker_totals_are_counters():
         assert types[family] == "counter"
     assert types["loraserve_pool_pages"] == "gauge"  # a level stays a gauge
 
-    m.set_pool({**POOL, "page_loads": 9})
-    m.set_pool({**POOL, "page_loads": 9})
+    m.set_pool(replace(POOL, page_loads=9))
+    m.set_pool(replace(POOL, page_loads=9))
     m.record_loads([("a", "device", 0.1)], dropped=4)
     m.record_loads([], dropped=4)
     assert value("loraserve_pool_page_events_total", event="load") == 9
     assert value("loraserve_pool_page_events_total", event="eviction") == 2
     assert value("loraserve_adapter_load_events_dropped_total") == 4
     assert value("loraserve_adapter_loads_total", adapter="a", tier="device") == 1
-    m.set_pool({**POOL, "page_loads": 4})  # the worker counts from 0 again
+    m.set_pool(replace(POOL, page_loads=4))  # the worker counts from 0 again
     assert value("loraserve_pool_page_events_total", event="load") == 13

@@ -76,13 +76,35 @@ def test_paged_layers_match_dense_math_and_skip_tokens_without_adapter():
     pool.set_tokens(np.array([12, 12]), ignored_ids={7})
     # Steps with adapters, their distinct adapters and rank sums (8 + 32, then 32).
     assert (pool.adapter_steps, pool.adapter_step_adapters, pool.adapter_step_ranks) == (2, 3, 72)
-    # The bytes of A and B those steps' adapters hold in every layer (fp32 here).
+    # The bytes of A and B those steps' adapters hold in every layer.
+    assert pool.adapter_step_bytes == (held_bytes(8, ("q_proj", "k_proj", "v_proj", "down_proj"))
+                                       + 2 * held_bytes(32, ("q_proj", "v_proj", "o_proj")))
+
+
+def held_bytes(rank, targets):
+    """Bytes of A and B a rank-`rank` adapter on `targets` holds in every
+    layer of CFG (fp32 pages here), from the modules' (in, out) shapes."""
     dims = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
             "down_proj": (96, 64)}
-    held = {rank: sum(rank * sum(dims[t]) for t in targets) * LAYERS * 4
-            for rank, targets in ((8, ("q_proj", "k_proj", "v_proj", "down_proj")),
-                                  (32, ("q_proj", "v_proj", "o_proj")))}
-    assert pool.adapter_step_bytes == held[8] + 2 * held[32]
+    return sum(rank * sum(dims[t]) for t in targets) * LAYERS * 4
+
+
+def test_step_bytes_follow_what_each_slot_holds_now():
+    """A slot's bytes are counted when it is written: a slot written again
+    with another adapter, or cleared and written, counts its new adapter's."""
+    pool, _ = make_pool()
+    small, large = ("q_proj", "down_proj"), ("q_proj", "k_proj", "v_proj", "o_proj")
+    a, b = adapter(8, small, 5), adapter(16, large, 6)  # 8 and 32 pages
+    pool.load(3, 11, a[0], tuple(range(5, 5 + a[0].num_pages)), a[1])
+    pool.set_tokens(np.array([11, 11, 0]), set())
+    pool.load(3, 12, b[0], tuple(range(5, 5 + b[0].num_pages)), b[1])  # replaces 11
+    pool.set_tokens(np.array([12]), set())
+    pool.evict(3)
+    pool.load(3, 13, a[0], tuple(range(40, 40 + a[0].num_pages)), a[1])
+    pool.load(1, 14, b[0], tuple(range(5, 5 + b[0].num_pages)), b[1])
+    pool.set_tokens(np.array([14, 13, 0, 14]), set())
+    assert pool.adapter_step_bytes == 2 * held_bytes(8, small) + 2 * held_bytes(16, large)
+    assert pool.adapter_step_ranks == 8 + 16 + 8 + 16
 
 
 def test_pages_of_other_blocks_keep_their_kv():

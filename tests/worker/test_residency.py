@@ -43,11 +43,12 @@ def test_tiers_and_events():
     wm.add_adapter(SimpleNamespace(lora_int_id=1))  # already resident: no event
     wm._load_adapter(SimpleNamespace(lora_int_id=2))  # host only
     wm._adapter_manager.activate_adapter(99)  # a warm-up dummy: not reported
-    snap = tracker.snapshot()
-    assert snap["gpu"] == [1, 99] and snap["host"] == [2]
-    assert [(i, tier) for i, tier, _ in snap["events"]] == [(1, "host"), (1, "gpu"), (2, "host")]
-    assert all(s >= 0 for _, _, s in snap["events"])
-    assert tracker.snapshot()["events"] == []  # drained
+    report = tracker.snapshot()
+    assert report.gpu == (1, 99) and report.host == (2,)
+    assert [(e.lora_id, e.tier) for e in report.events] == [(1, "host"), (1, "gpu"), (2, "host")]
+    assert all(e.seconds >= 0 for e in report.events)
+    assert report.pool is None and report.pages is None  # vLLM's slots: no pool
+    assert tracker.snapshot().events == ()  # drained
 
 
 def test_event_buffer_is_bounded(monkeypatch):
@@ -56,6 +57,6 @@ def test_event_buffer_is_bounded(monkeypatch):
     tracker = ResidencyTracker(wm)
     for i in range(5):
         wm._load_adapter(SimpleNamespace(lora_int_id=i))
-    snap = tracker.snapshot()
-    assert len(snap["events"]) == 3 and snap["dropped_events"] == 2
-    assert [e[0] for e in snap["events"]] == [2, 3, 4]
+    report = tracker.snapshot()
+    assert len(report.events) == 3 and report.dropped_events == 2
+    assert [e.lora_id for e in report.events] == [2, 3, 4]

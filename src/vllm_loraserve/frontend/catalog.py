@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import os
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -239,9 +239,10 @@ class AdapterCatalog:
                 self._retired.popitem(last=False)
         return entry
 
-    def update_residency(self, device_ids: list[int], host_ids: list[int],
+    def update_residency(self, device_ids: Iterable[int], host_ids: Iterable[int],
                          pages: dict[int, int] | None = None) -> None:
-        """Tiers from a worker snapshot; `pages` (paged pool only) per device id."""
+        """Tiers from a worker's `ResidencyReport`; `pages` (paged pool only)
+        per device id."""
         device, host, pages = set(device_ids), set(host_ids), pages or {}
         for entry in self.entries.values():
             i = entry.lora_int_id

@@ -34,15 +34,16 @@ from vllm_loraserve._patching import wrap
 from vllm_loraserve.frontend import args as cli_args
 from vllm_loraserve.frontend import serving
 from vllm_loraserve.frontend.metrics import metrics
+from vllm_loraserve.worker.report import ResidencyReport
 
 logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
 
 GUARDED_PREFIX = "/loraserve/"
 router = APIRouter(prefix=f"{GUARDED_PREFIX}v1")
-# The workers' snapshot (`loraserve_residency`) names the tier the kernels
+# The workers' report (`loraserve_residency`) names the tier the kernels
 # read "gpu", also on a CPU machine; offline scripts read that key, so the
-# snapshot keeps it and clients see the tier as "device" (catalog.RESIDENCIES).
-_TIER_OF_SNAPSHOT = {"host": "host", "gpu": "device"}
+# report keeps it and clients see the tier as "device" (catalog.RESIDENCIES).
+_TIER_OF_REPORT = {"host": "host", "gpu": "device"}
 
 
 def _guard_with_api_key() -> None:
@@ -74,16 +75,17 @@ def _device_type() -> str:
 async def _refresh(state: Any) -> None:
     """Pull residency and load events from the workers into catalogue and metrics."""
     catalog = serving.catalog_of(state.openai_serving_models)
-    snapshot = (await state.engine_client.collective_rpc("loraserve_residency"))[0]
-    catalog.update_residency(snapshot["gpu"], snapshot["host"], snapshot.get("pages"))
-    events = [(catalog.name_of(i) or f"lora-id-{i}", _TIER_OF_SNAPSHOT[tier], seconds)
-              for i, tier, seconds in snapshot["events"]]
+    report = ResidencyReport.from_wire(
+        (await state.engine_client.collective_rpc("loraserve_residency"))[0])
+    catalog.update_residency(report.gpu, report.host, report.pages)
+    events = [(catalog.name_of(e.lora_id) or f"lora-id-{e.lora_id}", _TIER_OF_REPORT[e.tier],
+               e.seconds) for e in report.events]
     m = metrics()
-    m.record_loads(events, snapshot["dropped_events"])
+    m.record_loads(events, report.dropped_events)
     m.set_states(catalog.counts())
-    if "pool" in snapshot:
-        m.set_pool(snapshot["pool"])
-        m.record_waits(snapshot["adapter_waits"])
+    if report.pool is not None:
+        m.set_pool(report.pool)
+        m.record_waits(report.adapter_waits)
 
 
 def _engine_unavailable(e: Exception) -> JSONResponse:

@@ -19,6 +19,7 @@ under the served base model name.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -28,6 +29,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm_loraserve._patching import wrap
 from vllm_loraserve.config import from_vllm_config
 from vllm_loraserve.frontend.serving import note_engine_failure
+from vllm_loraserve.worker.report import PoolCounters
 
 _TALLY_ATTR = "loraserve_by_adapter"
 
@@ -104,17 +106,17 @@ class Metrics:
         if grown:
             series.inc(grown)
 
-    def set_pool(self, pool: dict[str, int]) -> None:
-        self.pool_pages.labels("adapter").set(pool["adapter_pages"])
-        self.pool_pages.labels("total").set(pool["total_pages"])
-        self._advance(self.pool_events, pool["page_loads"], "load")
-        self._advance(self.pool_events, pool["page_evictions"], "eviction")
-        self._advance(self.pool_events, pool["page_loads_ahead"], "load_ahead")
-        self.pool_host_bytes.set(pool["host_bytes"])
-        self._advance(self.pool_prefetch, pool["prefetch_hits"], "hit")
-        self._advance(self.pool_prefetch, pool["prefetch_misses"], "miss")
+    def set_pool(self, pool: PoolCounters) -> None:
+        self.pool_pages.labels("adapter").set(pool.adapter_pages)
+        self.pool_pages.labels("total").set(pool.total_pages)
+        self._advance(self.pool_events, pool.page_loads, "load")
+        self._advance(self.pool_events, pool.page_evictions, "eviction")
+        self._advance(self.pool_events, pool.page_loads_ahead, "load_ahead")
+        self.pool_host_bytes.set(pool.host_bytes)
+        self._advance(self.pool_prefetch, pool.prefetch_hits, "hit")
+        self._advance(self.pool_prefetch, pool.prefetch_misses, "miss")
 
-    def record_waits(self, seconds: list[float]) -> None:
+    def record_waits(self, seconds: Iterable[float]) -> None:
         for s in seconds:
             self.adapter_wait_seconds.observe(s)
 

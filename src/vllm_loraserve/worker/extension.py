@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_loraserve.worker.residency import ResidencyTracker, lora_modules
+from vllm_loraserve.worker.report import ResidencyReport
+from vllm_loraserve.worker.residency import lora_modules
 
 TRACKER_ATTR = "_loraserve_tracker"
 
@@ -27,7 +28,10 @@ class LoraServeWorkerExtension:
         return lora_modules(self._loraserve_lora_manager()._adapter_manager)
 
     def loraserve_residency(self) -> dict[str, Any]:
-        """Adapter ids per tier and the load events since the last call."""
+        """Adapter ids per tier and the load events since the last call: a
+        `ResidencyReport` in its wire form (it leaves this process here)."""
         self._loraserve_lora_manager()
-        tracker: ResidencyTracker = getattr(self.model_runner, TRACKER_ATTR)  # type: ignore[attr-defined]
-        return tracker.snapshot()
+        # A ResidencyTracker, or the paged pool's manager (worker/hooks.py).
+        tracker = getattr(self.model_runner, TRACKER_ATTR)  # type: ignore[attr-defined]
+        report: ResidencyReport = tracker.snapshot()
+        return report.to_wire()

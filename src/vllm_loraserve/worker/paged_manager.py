@@ -60,6 +60,7 @@ from vllm_loraserve.worker.arena import PinnedArena
 from vllm_loraserve.worker.host_tier import Alloc, HostAdapter, HostTier
 from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker.pool import DevicePool
+from vllm_loraserve.worker.report import LoadEvent, PoolCounters, ResidencyReport
 from vllm_loraserve.worker.residency import MAX_BUFFERED_EVENTS, lora_modules
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -142,7 +143,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         # Host seconds of page loads: packing on the device (the copy of the
         # file's bytes included), then writing the pages and the slot table.
         self.load_pack_s = self.load_write_s = 0.0
-        self._events: deque[tuple[int, str, float]] = deque(maxlen=MAX_BUFFERED_EVENTS)
+        self._events: deque[LoadEvent] = deque(maxlen=MAX_BUFFERED_EVENTS)
         self.dropped_events = 0
 
     # -- model wrapping -----------------------------------------------------
@@ -202,7 +203,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         with self._lock:
             if len(self._events) == self._events.maxlen:
                 self.dropped_events += 1
-            self._events.append((lora_id, tier, seconds))
+            self._events.append(LoadEvent(lora_id, tier, seconds))
 
     def _fence(self) -> _StreamFence | None:
         """After the copies issued so far (none pending on a CPU device)."""
@@ -397,33 +398,30 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         return False
 
     # -- residency report (worker/extension.py) -----------------------------------
-    def snapshot(self, drain_events: bool = True) -> dict[str, Any]:
+    def snapshot(self, drain_events: bool = True) -> ResidencyReport:
         gpu = sorted(self.pool.slot_of)
         with self._lock:
-            events = list(self._events)
+            events = tuple(self._events)
             if drain_events:
                 self._events.clear()
-            waits = list(self._waits)
+            waits = tuple(self._waits)
             if drain_events:
                 self._waits.clear()
             host_ids, host_bytes = self.host.ids(), self.host.bytes_used
-        return {"gpu": gpu, "host": sorted(set(host_ids) - set(gpu)),
-                "pages": {i: self.pool.pages_of(i) for i in gpu},
-                "events": events, "dropped_events": self.dropped_events,
-                "adapter_waits": waits,
-                "pool": {"page_loads": self.page_loads, "page_evictions": self.page_evictions,
-                         "page_loads_ahead": self.page_loads_ahead,
-                         "load_pack_s": round(self.load_pack_s, 4),
-                         "load_write_s": round(self.load_write_s, 4),
-                         "adapter_pages": self.pool.pages_held,
-                         "total_pages": self.pool.pages[0].shape[0] if self.pool.pages else 0,
-                         "page_size": self.pool.layout.page_size if self.pool.layout else 0,
-                         "peak_batch_adapters": self.pool.peak_batch_adapters,
-                         "adapter_steps": self.pool.adapter_steps,
-                         "adapter_step_adapters": self.pool.adapter_step_adapters,
-                         "adapter_step_ranks": self.pool.adapter_step_ranks,
-                         "adapter_step_bytes": self.pool.adapter_step_bytes,
-                         "host_bytes": host_bytes, "host_adapters": len(host_ids),
-                         "host_budget": self.host.budget,
-                         "prefetch_hits": self.prefetch_hits,
-                         "prefetch_misses": self.prefetch_misses}}
+        pool = self.pool
+        counters = PoolCounters(
+            page_loads=self.page_loads, page_evictions=self.page_evictions,
+            page_loads_ahead=self.page_loads_ahead, load_pack_s=round(self.load_pack_s, 4),
+            load_write_s=round(self.load_write_s, 4), adapter_pages=pool.pages_held,
+            total_pages=pool.pages[0].shape[0] if pool.pages else 0,
+            page_size=pool.layout.page_size if pool.layout else 0,
+            peak_batch_adapters=pool.peak_batch_adapters, adapter_steps=pool.adapter_steps,
+            adapter_step_adapters=pool.adapter_step_adapters,
+            adapter_step_ranks=pool.adapter_step_ranks,
+            adapter_step_bytes=pool.adapter_step_bytes, host_bytes=host_bytes,
+            host_adapters=len(host_ids), host_budget=self.host.budget,
+            prefetch_hits=self.prefetch_hits, prefetch_misses=self.prefetch_misses)
+        return ResidencyReport(
+            gpu=tuple(gpu), host=tuple(sorted(set(host_ids) - set(gpu))), events=events,
+            dropped_events=self.dropped_events, pages={i: pool.pages_of(i) for i in gpu},
+            adapter_waits=waits, pool=counters)

@@ -35,6 +35,18 @@ from vllm_loraserve.paging.layout import AdapterPlacement, LayerLayout, SliceSpe
 SMALL_BATCH = 512  # tokens; at most this many use 16-token work blocks
 
 
+@dataclasses.dataclass(frozen=True)
+class _Resident:
+    """One slot's adapter, as `load` wrote it."""
+
+    lora_id: int
+    placement: AdapterPlacement
+    page_ids: tuple[int, ...]
+    # Bytes of A and B it holds in all layers (row padding excluded): what a
+    # step's kernels read of it. Counted at load, so a step only adds ints.
+    weight_bytes: int
+
+
 def page_view(kv: torch.Tensor, page_size: int) -> torch.Tensor:
     """A blocks-first KV tensor as [num_blocks, page_size] (same storage)."""
     n = kv.shape[0]
@@ -65,7 +77,7 @@ class DevicePool:
         self._batches: dict[int, TokenBatch] = {}
         self.active = False  # the step has LoRA requests (warm-up dummies count)
         self.pages: list[torch.Tensor] | None = None
-        self.slots: dict[int, tuple[int, AdapterPlacement, tuple[int, ...]]] = {}
+        self.slots: dict[int, _Resident] = {}
         self.slot_of: dict[int, int] = {}  # lora id -> slot
         self.peak_batch_adapters = 0  # most distinct adapters in one step so far
         # Over the steps with adapter tokens: how many, distinct adapters,
@@ -115,8 +127,8 @@ class DevicePool:
 
     def evict(self, slot: int) -> None:
         entry = self.slots.pop(slot, None)
-        if entry is not None and self.slot_of.get(entry[0]) == slot:
-            del self.slot_of[entry[0]]
+        if entry is not None and self.slot_of.get(entry.lora_id) == slot:
+            del self.slot_of[entry.lora_id]
         self.table.clear(slot)
 
     def load(self, slot: int, lora_id: int, placement: AdapterPlacement,
@@ -135,15 +147,17 @@ class DevicePool:
         self.evict(slot)
         self.table.write(slot, placement, page_ids)
         self._write_pages(self.table.pages[slot, :len(page_ids)], streams)
-        self.slots[slot] = (lora_id, placement, page_ids)
+        weight_bytes = (self.layout.weight_elements(placement) * self.num_layers
+                        * self.pages[0].element_size())
+        self.slots[slot] = _Resident(lora_id, placement, page_ids, weight_bytes)
         self.slot_of[lora_id] = slot
 
     def pages_of(self, lora_id: int) -> int:
-        return len(self.slots[self.slot_of[lora_id]][2])
+        return len(self.slots[self.slot_of[lora_id]].page_ids)
 
     @property
     def pages_held(self) -> int:
-        return sum(len(page_ids) for _, _, page_ids in self.slots.values())
+        return sum(len(r.page_ids) for r in self.slots.values())
 
     # -- per step -----------------------------------------------------------
     def set_tokens(self, token_lora_ids: np.ndarray, ignored_ids: set[int]) -> None:
@@ -158,12 +172,11 @@ class DevicePool:
             raise RuntimeError(f"adapters {sorted(missing)} are scheduled but not resident "
                                "in the pool (scheduler and worker disagree)")
         lut = np.full(int(ids.max(initial=0)) + 1, -1, dtype=np.int64)
-        per_layer = self.num_layers * self.pages[0].element_size() if used else 0
         for lora_id in used:
             slot = lut[lora_id] = self.slot_of[lora_id]
-            placement = self.slots[slot][1]
-            self.adapter_step_ranks += placement.rank
-            self.adapter_step_bytes += self.layout.weight_elements(placement) * per_layer
+            resident = self.slots[slot]
+            self.adapter_step_ranks += resident.placement.rank
+            self.adapter_step_bytes += resident.weight_bytes
         if used:
             self.adapter_steps += 1
             self.adapter_step_adapters += len(used)

@@ -16,13 +16,15 @@ import time
 from collections import deque
 from typing import Any
 
+from vllm_loraserve.worker.report import LoadEvent, ResidencyReport
+
 MAX_BUFFERED_EVENTS = 10_000
 
 
 class ResidencyTracker:
     def __init__(self, worker_manager: Any) -> None:
         self._wm = worker_manager
-        self._events: deque[tuple[int, str, float]] = deque(maxlen=MAX_BUFFERED_EVENTS)
+        self._events: deque[LoadEvent] = deque(maxlen=MAX_BUFFERED_EVENTS)
         self._loaded_from_disk: set[int] = set()
         self.dropped_events = 0
         self._wrap_instance()
@@ -30,7 +32,7 @@ class ResidencyTracker:
     def _record(self, lora_id: int, tier: str, seconds: float) -> None:
         if len(self._events) == self._events.maxlen:
             self.dropped_events += 1
-        self._events.append((lora_id, tier, seconds))
+        self._events.append(LoadEvent(lora_id, tier, seconds))
 
     def _wrap_instance(self) -> None:
         wm, am = self._wm, self._wm._adapter_manager
@@ -54,16 +56,15 @@ class ResidencyTracker:
         wm._load_adapter = timed_load
         am.activate_adapter = timed_activate
 
-    def snapshot(self, drain_events: bool = True) -> dict[str, Any]:
+    def snapshot(self, drain_events: bool = True) -> ResidencyReport:
         """Tiers by adapter id plus the load events since the last drain."""
         am = self._wm._adapter_manager
-        gpu = sorted(int(i) for i in am._active_adapters)
-        host = sorted(int(i) for i in am.list_adapters() if i not in am._active_adapters)
-        events = list(self._events)
+        gpu = tuple(sorted(int(i) for i in am._active_adapters))
+        host = tuple(sorted(int(i) for i in am.list_adapters() if i not in am._active_adapters))
+        events = tuple(self._events)
         if drain_events:
             self._events.clear()
-        return {"gpu": gpu, "host": host, "events": events,
-                "dropped_events": self.dropped_events}
+        return ResidencyReport(gpu, host, events, self.dropped_events)
 
 
 def lora_modules(adapter_manager: Any) -> dict[str, Any]:
