@@ -5,15 +5,18 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 # CPU vLLM sizes its KV cache from this; without it start-up fails.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# Triton kernels run on the CPU under Triton's interpreter. Set before any
-# test module imports triton (vLLM does, from several test modules): triton's
-# own jit'd library functions (tl.cdiv, ...) are made interpretable only if
-# the variable is set when triton is imported. tests/e2e/conftest.py keeps it
-# from the vLLM processes those tests start.
-os.environ["TRITON_INTERPRET"] = "1"
+# Without a GPU, Triton kernels run on the CPU under Triton's interpreter.
+# Set before any test module imports triton (vLLM does, from several test
+# modules): triton's own jit'd library functions (tl.cdiv, ...) are made
+# interpretable only if the variable is set when triton is imported.
+# tests/e2e/conftest.py keeps it from the vLLM processes those tests start.
+# With a GPU (the `gpu` marker's runs) the kernels must be the compiled ones.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -1,19 +1,21 @@
-"""The paged kernels as the engine launches them: A/B of two kernel modules.
+"""The paged kernels as the engine launches them, per module kind, at the
+shapes users run; A/B against a baseline kernel module, and a tile sweep.
 
 `bench_lora_kernels.py` sizes each launch to the batch's real work blocks.
 The engine cannot: its batches are replayed from CUDA graphs, so a launch is
 sized for the most work blocks a batch of that many tokens can have
-(worker/pool.py `DevicePool._batch`: tokens / block + one partial block per
-adapter). This runs the engine's own path (`DevicePool`: slot table of
-`--loraserve-max-slots` 4096 slots, persistent token batches, `add_lora` for
-qkv and o over 8 layers of Llama-2-7B shape, one CUDA graph per case) with
-the current kernels and with a baseline module (e.g. the previous commit's
-`triton_mbgmm.py`), in one process, and reports microseconds per layer.
+(worker/pool.py `DevicePool._batch`). This runs the engine's own path
+(`DevicePool`: slot table of 4096 slots, persistent token batches,
+`add_lora`, one CUDA graph per module kind over `LAYERS` layers) and reports
+microseconds per layer, the distinct adapters' bytes the step must read, and
+the bandwidth that makes against a device-to-device copy timed in the same
+process.
 
     git show REV:src/vllm_loraserve/kernels/triton_mbgmm.py > /tmp/old_mbgmm.py
-    python benchmarks/kernels/engine_grid.py --baseline /tmp/old_mbgmm.py --out r.json
-
-(Session 3 of docs/benchmarks/e2e.md compared against REV = `adc8f41`.)
+    python benchmarks/kernels/engine_grid.py --shape llama3-8b --targets all-linear \\
+        --baseline /tmp/old_mbgmm.py --out r.json
+    python benchmarks/kernels/engine_grid.py --shape llama3-8b --targets all-linear \\
+        --sweep --out sweep.json     # coordinate search over tiles, per module kind
 
 Needs torch and triton on a CUDA device; vLLM is not used.
 """
@@ -34,55 +36,79 @@ from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.layout import LayerLayout, SliceSpec, pack_layer
 from vllm_loraserve.worker.pool import DevicePool
 
-H, LAYERS, PAGE = 4096, 8, 2 * 16 * 32 * 128
-SLICES = tuple(SliceSpec(n, H, H) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-RANKS = (8, 16, 32, 64, 128)
-# uniform-400: a power law over 400 adapters puts ~170 distinct in 512 tokens,
-# near what the e2e pool-1000 run had per step (136, docs/benchmarks/e2e.md).
-MIXES = {"single-r8": (1, (8,)), "uniform-32": (32, RANKS), "uniform-100": (100, RANKS),
-         "uniform-400": (400, RANKS)}
+LAYERS = 8
+# page: one layer's KV block of 16 tokens (K and V, kv heads x head 128), bf16.
+SHAPES = {
+    "llama2-7b": dict(hidden=4096, kv=4096, inter=11008, page=2 * 16 * 32 * 128,
+                      ranks=(8, 16, 32, 64, 128)),
+    "llama3-8b": dict(hidden=4096, kv=1024, inter=14336, page=2 * 16 * 8 * 128,
+                      ranks=(16, 32, 64)),
+}
+MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+           "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+TARGETS = {"qkvo": ("qkv", "o"), "all-linear": tuple(MODULES)}
+# Adapters in the pool; tokens pick them by a power law (alpha 1), as the e2e
+# workload does (pow-400 puts ~170 distinct adapters in 512 tokens).
+MIXES = {"single-r8": 1, "pow-32": 32, "pow-100": 100, "pow-200": 200, "pow-400": 400}
 TOKENS = (1, 16, 64, 256, 512, 2048, 8192)
 
 
-def build(tokens: int, n: int, ranks: tuple[int, ...], dev: torch.device) -> tuple:
-    g = torch.Generator(device=dev).manual_seed(0)
-    pool = DevicePool(SLICES, LAYERS, 128, tokens, 4096, 3, "triton", dev)
-    layout = LayerLayout(SLICES, PAGE)
-    placements = [layout.place(ranks[i % len(ranks)], [s.name for s in SLICES]) for i in range(n)]
+def slices_of(shape: dict, kinds: tuple[str, ...]) -> tuple[SliceSpec, ...]:
+    h, kv, inter = shape["hidden"], shape["kv"], shape["inter"]
+    dims = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    return tuple(SliceSpec(n, *dims[n]) for k in kinds for n in MODULES[k])
+
+
+def build(shape: dict, kinds: tuple[str, ...], mix: str, tokens: int,
+          dev: torch.device) -> tuple[DevicePool, int, int]:
+    """A bound pool holding the mix's adapters, its step set to `tokens`
+    tokens; the bytes of A and B (all layers) of the step's distinct
+    adapters (what its kernels must read at least once); their number."""
+    slices = slices_of(shape, kinds)
+    n = MIXES[mix]
+    ranks = (8,) if mix == "single-r8" else shape["ranks"]
+    max_rank = max(shape["ranks"])
+    pool = DevicePool(slices, LAYERS, max_rank, tokens, 4096, 3, "triton", dev)
+    layout = LayerLayout(slices, shape["page"])
+    names = [s.name for s in slices]
+    placements = [layout.place(ranks[i % len(ranks)], names) for i in range(n)]
     total = sum(p.num_pages for p in placements) + 1
-    pool.bind([torch.zeros(total, PAGE, dtype=torch.bfloat16, device=dev)
+    pool.bind([torch.zeros(total, shape["page"], dtype=torch.bfloat16, device=dev)
                for _ in range(LAYERS)])
     free = list(range(1, total))
     random.Random(0).shuffle(free)
+    g = torch.Generator(device=dev).manual_seed(0)
     for i, p in enumerate(placements):
         ids = tuple(free.pop() for _ in range(p.num_pages))
-        streams = torch.stack([pack_layer(layout, p, {
-            s.name: (torch.randn(p.rank, H, generator=g, device=dev) / H ** 0.5,
-                     torch.randn(H, p.rank, generator=g, device=dev) * 0.05) for s in SLICES},
-            0.5, torch.bfloat16) for _ in range(LAYERS)])
-        pool.load(i, i + 1, p, ids, streams)
+        # One layer's weights written to every layer: the bytes are what count.
+        w = {s.name: (torch.randn(p.rank, s.in_features, generator=g, device=dev)
+                      / s.in_features ** 0.5,
+                      torch.randn(s.out_features, p.rank, generator=g, device=dev) * 0.05)
+             for s in slices}
+        stream = pack_layer(layout, p, w, 0.5, torch.bfloat16)
+        pool.load(i, i + 1, p, ids, stream.expand(LAYERS, -1).contiguous())
     rng = np.random.default_rng(0)
-    # Power-law popularity (alpha 1), as the e2e workload.
     w = 1.0 / np.arange(1, n + 1)
-    pool.set_tokens(rng.choice(np.arange(1, n + 1), size=tokens, p=w / w.sum()), set())
-    return pool
+    ids = rng.choice(np.arange(1, n + 1), size=tokens, p=w / w.sum())
+    pool.set_tokens(ids, set())
+    step_bytes = sum(layout.weight_elements(placements[i - 1]) for i in set(ids.tolist()))
+    return pool, step_bytes * 2 * LAYERS, len(set(ids.tolist()))
 
 
-def time_graph(pool: DevicePool, tokens: int, dev: torch.device) -> tuple[float, torch.Tensor]:
-    """(microseconds per layer, layer 0's qkv output from zero)."""
-    qkv = ModuleSlices.of(pool.layout, ("q_proj", "k_proj", "v_proj"))
-    o = ModuleSlices.of(pool.layout, ("o_proj",))
-    x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16,
+def time_module(pool: DevicePool, kind: str, tokens: int,
+                dev: torch.device) -> tuple[float, torch.Tensor]:
+    """(microseconds per layer, layer 0's output from zero) of one module kind."""
+    m = ModuleSlices.of(pool.layout, MODULES[kind])
+    x = torch.randn(tokens, m.in_features, device=dev, dtype=torch.bfloat16,
                     generator=torch.Generator(device=dev).manual_seed(1))
-    y3 = torch.zeros(tokens, 3 * H, device=dev, dtype=torch.bfloat16)
-    y1 = torch.zeros(tokens, H, device=dev, dtype=torch.bfloat16)
-    pool.add_lora(0, qkv, x, y3)
-    first = y3.clone()
+    y = torch.zeros(tokens, sum(m.out_features), device=dev, dtype=torch.bfloat16)
+    pool.add_lora(0, m, x, y)
+    first = y.clone()
 
     def step():
         for layer in range(LAYERS):
-            pool.add_lora(layer, qkv, x, y3)
-            pool.add_lora(layer, o, x, y1)
+            pool.add_lora(layer, m, x, y)
     step()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -92,53 +118,124 @@ def time_graph(pool: DevicePool, tokens: int, dev: torch.device) -> tuple[float,
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    ms = triton.testing.do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
+    del graph
     return ms * 1e3 / LAYERS, first
+
+
+def copy_tb_s(dev: torch.device) -> float:
+    """Device-to-device copy of 2 GiB: bytes read + written per second."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=50,
+                                 return_mode="median")
+    return 2 * src.numel() / ms / 1e9
+
+
+def load_module(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# The sweep's candidates: a coordinate search over these, shrink first (with
+# the default expand), then expand (with the best shrink).
+SHRINK_AXES = dict(block_n=(16, 32, 64, 128), block_k=(64, 128, 256),
+                   split_k=(1, 2, 4, 8, 16), num_warps=(4, 8), num_stages=(2, 3, 4))
+EXPAND_AXES = dict(block_n=(32, 64, 128, 256), block_k=(16, 32, 128), group=(1, 2, 4, 8, 16),
+                   num_warps=(4, 8), num_stages=(2, 3, 4))
+
+
+def sweep(pool, kind, tokens, dev, mbgmm, log) -> dict:
+    """Coordinate descent over each axis in turn, once, from the defaults."""
+    probe = pool._batch(tokens)
+    m = ModuleSlices.of(pool.layout, MODULES[kind])
+    best = {"shrink": mbgmm.shrink_tiles(probe, m.in_features),
+            "expand": mbgmm.expand_tiles(probe, max(m.out_features))}
+    if best["shrink"].split_k == 0:
+        best["shrink"] = mbgmm.Tiles(**{**best["shrink"].__dict__, "split_k": 1})
+    def run(tiles):
+        pool.backend = mbgmm.TritonBackend(shrink_tiles=lambda b, k: tiles["shrink"],
+                                           expand_tiles=lambda b, n: tiles["expand"])
+        return time_module(pool, kind, tokens, dev)
+
+    best_us, ref = run(best)
+    for op, axes in (("shrink", SHRINK_AXES), ("expand", EXPAND_AXES)):
+        for axis, values in axes.items():
+            for v in values:
+                cand = dict(best)
+                cand[op] = mbgmm.Tiles(**{**best[op].__dict__, axis: v})
+                if cand[op] == best[op]:
+                    continue
+                try:
+                    us, y = run(cand)
+                except Exception as e:  # e.g. out of shared memory: not a candidate
+                    log(f"  {op} {axis}={v}: {type(e).__name__}")
+                    continue
+                err = (y.float() - ref.float()).abs().max().item()
+                if err > 0.05 * max(1.0, ref.float().abs().max().item()):
+                    raise AssertionError(f"{op} {cand[op]}: max diff {err}")
+                if us < best_us:
+                    best, best_us = cand, us
+    return dict(us=round(best_us, 2), shrink=best["shrink"].__dict__,
+                expand=best["expand"].__dict__)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--baseline", required=True, help="a triton_mbgmm.py to compare with")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b")
+    ap.add_argument("--targets", choices=sorted(TARGETS), default="qkvo")
+    ap.add_argument("--mixes", default=",".join(MIXES))
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--baseline", help="a triton_mbgmm.py to compare with")
+    ap.add_argument("--sweep", action="store_true",
+                    help="search tiles per module kind, mix and token count")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--programs-per-sm", default="", help="comma-separated PROGRAMS_PER_SM "
-                    "values to time the current kernels with (default: the module's)")
     a = ap.parse_args()
-    spec = importlib.util.spec_from_file_location("baseline_mbgmm", a.baseline)
-    old = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = old  # dataclasses look their module up
-    spec.loader.exec_module(old)
     from vllm_loraserve.kernels import triton_mbgmm as mbgmm
-    from vllm_loraserve.kernels.triton_mbgmm import TritonBackend
 
     dev = torch.device("cuda")
+    shape, kinds = SHAPES[a.shape], TARGETS[a.targets]
+    peak = copy_tb_s(dev)
+    print(f"copy: {peak:.2f} TB/s", flush=True)
+    old = load_module(a.baseline, "baseline_mbgmm") if a.baseline else None
     rows = []
-    for mix, (n, ranks) in MIXES.items():
-        for t in TOKENS:
-            pool = build(t, n, ranks, dev)
-            res, ys = {}, {}
-            variants = [("baseline", old.TritonBackend(), None)] + [
-                (f"new@{p}" if a.programs_per_sm else "new", TritonBackend(), p)
-                for p in ([int(v) for v in a.programs_per_sm.split(",")] if a.programs_per_sm
-                          else [mbgmm.PROGRAMS_PER_SM])]
-            for name, backend, pps in variants:
-                if pps is not None:
-                    mbgmm.PROGRAMS_PER_SM = pps
-                pool.backend = backend
-                res[name], ys[name] = time_graph(pool, t, dev)
-            # The same sums, up to split-K's fp32 atomics order and bf16 rounding.
-            base = ys["baseline"].float()
-            row = dict(mix=mix, tokens=t, max_abs=base.abs().max().item(),
-                       **{f"{k}_us": round(v, 2) for k, v in res.items()},
-                       **{f"speedup_{k}": round(res["baseline"] / v, 3)
-                          for k, v in res.items() if k != "baseline"},
-                       max_abs_diff=max((y.float() - base).abs().max().item()
-                                        for y in ys.values()))
-            print(row, flush=True)
+    for mix in a.mixes.split(","):
+        for t in (int(v) for v in a.tokens.split(",")):
+            pool, step_bytes, distinct = build(shape, kinds, mix, t, dev)
+            row = dict(mix=mix, tokens=t, distinct=distinct,
+                       mb_per_layer=round(step_bytes / LAYERS / 1e6, 2))
+            for kind in kinds:
+                if a.sweep:
+                    row[kind] = sweep(pool, kind, t, dev, mbgmm, print)
+                    continue
+                variants = [("new", mbgmm.TritonBackend())]
+                if old is not None:
+                    variants.insert(0, ("baseline", old.TritonBackend()))
+                ys = {}
+                for name, backend in variants:
+                    pool.backend = backend
+                    row[f"{kind}_{name}_us"], ys[name] = time_module(pool, kind, t, dev)
+                if old is not None:
+                    row[f"{kind}_max_abs_diff"] = (ys["new"].float()
+                                                   - ys["baseline"].float()).abs().max().item()
+            per_kind = ({"sweep": [row[k]["us"] for k in kinds]} if a.sweep else
+                        {name: [row[f"{k}_{name}_us"] for k in kinds]
+                         for name in ("baseline", "new") if f"{kinds[0]}_{name}_us" in row})
+            for name, times in per_kind.items():
+                us = sum(times)
+                row[f"{name}_layer_us"] = round(us, 2)
+                row[f"{name}_tb_s"] = round(step_bytes / LAYERS / us / 1e6, 3)
+                row[f"{name}_pct_copy"] = round(100 * row[f"{name}_tb_s"] / peak, 1)
+            print(json.dumps(row), flush=True)
             rows.append(row)
             del pool
             torch.cuda.empty_cache()
     json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "triton": triton.__version__, "layers": LAYERS, "rows": rows},
+               "triton": triton.__version__, "shape": a.shape, "targets": a.targets,
+               "layers": LAYERS, "copy_tb_s": round(peak, 3), "rows": rows},
               open(a.out, "w"), indent=1)
 
 

@@ -162,7 +162,8 @@ def test_warm_up_launches_every_variant_serving_launches():
             assert int(batch.num_blocks_dev[0]) == 0  # no work: nothing computed
 
         def expand(self, h, pool, y, batch, slots, module, layout):
-            launched.append(("expand", module, batch.block_m, self._expand_tiles(batch)))
+            launched.append(("expand", module, batch.block_m,
+                             self._expand_tiles(batch, max(module.out_features))))
 
         def page_writer(self, pages):
             def write(page_ids, streams):

@@ -2,7 +2,7 @@
 
 A backend computes, for one vLLM LoRA layer (`ModuleSlices`) and one step:
 
-    shrink: h[s, t, :rank] = x[t] @ A_{slot(t), s}.T          (h zeroed first)
+    shrink: h[s, t, :rank] = x[t] @ A_{slot(t), s}.T          (rest of h undefined)
     expand: y[t, cols(s)] += h[s, t, :rank] @ Bt_{slot(t), s}
 
 for every token t with an adapter; tokens without one are never touched.
@@ -50,12 +50,13 @@ class KernelBackend(Protocol):
     def shrink(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, batch: TokenBatch,
                slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
         """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T for each slice s of `module`;
-        every other entry of h ([slices, tokens, max_rank], fp32) is 0."""
+        other entries of h ([slices, tokens, max_rank], fp32) are undefined
+        after it (no backend may read them: zeroing h costs a launch)."""
 
     def expand(self, h: torch.Tensor, pool: torch.Tensor, y: torch.Tensor, batch: TokenBatch,
                slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
-        """y[t, cols(s)] += h[s, t, :rank] @ Bt_{slot(t), s}; h must be 0 past
-        each rank (as `shrink` leaves it)."""
+        """y[t, cols(s)] += h[s, t, :rank] @ Bt_{slot(t), s}, reading h only
+        up to each token's rank."""
 
     def page_writer(self, pages: list[torch.Tensor]) -> PageWriter:
         """`write(page_ids, streams)`: row l of `streams` ([layers, n *

@@ -37,7 +37,7 @@ def _shrink_kernel(
     K, a_width, page_size, num_segs, max_pages, seg0,
     stride_xt, stride_hs, stride_ht,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_H: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     split = pid0 % SPLIT_K
@@ -62,25 +62,28 @@ def _shrink_kernel(
             offs_n = n0 + tl.arange(0, BN)
             n_mask = offs_n < rank
             row_start = seg_off + offs_n * a_width  # element offset of each A row
+            page_row = pages_ptr + slot * max_pages
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for k0 in range(k_begin, tl.minimum(k_begin + k_span, K), BK):
-                k_mask = (k0 + offs_k) < K
-                x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
-                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                if EVEN_K:
+                    x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
+                                mask=m_mask[:, None], other=0.0)
+                    w_mask = n_mask[None, :]
+                else:
+                    k_mask = (k0 + offs_k) < K
+                    x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
+                                mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                    w_mask = n_mask[None, :] & k_mask[:, None]
                 chunk = row_start + k0  # a chunk of BK elements lies in one page
-                page = tl.load(pages_ptr + slot * max_pages + chunk // page_size,
-                               mask=n_mask, other=0)
+                page = tl.load(page_row + chunk // page_size, mask=n_mask, other=0)
                 # Rows start at multiples of the layout's align (checked: a
                 # multiple of 16), which lets Triton issue wide loads.
                 base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
-                w = tl.load(pool_ptr + base[None, :] + offs_k[:, None],
-                            mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+                w = tl.load(pool_ptr + base[None, :] + offs_k[:, None], mask=w_mask, other=0.0)
                 acc += tl.dot(x, w)
+            # Only columns below the rank: h past it is never read (no memset).
             out = h_ptr + s * stride_hs + toks[:, None] * stride_ht + offs_n[None, :]
-            if EVEN_H:  # columns past the rank hold 0 (masked weights), inside h
-                mask = m_mask[:, None]
-            else:
-                mask = m_mask[:, None] & n_mask[None, :]
+            mask = m_mask[:, None] & n_mask[None, :]
             if SPLIT_K == 1:
                 tl.store(out, acc, mask=mask)
             else:
@@ -93,10 +96,14 @@ def _expand_kernel(
     desc_ptr,
     page_size, num_segs, max_pages, seg0,
     stride_hs, stride_ht, stride_yt,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGNED: tl.constexpr,
-    EVEN_H: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
-    n0 = tl.program_id(1) * BN
+    """A program takes GROUP column tiles of BN columns of each work block
+    it strides to, looping over the rank in BK rows per tile. (A flat loop
+    over (block, column tile) items with all rank rows in one step, meant to
+    let Triton pipeline one item's dependent loads under the next's, measured
+    1.4x slower on an H200: docs/benchmarks/kernels.md, 2026-11-25.)"""
     s = tl.program_id(2)
     n_out = tl.load(desc_ptr + s * 3 + 1)
     width = tl.load(desc_ptr + s * 3)
@@ -107,11 +114,12 @@ def _expand_kernel(
         # so y and B are read and written in vectors, not element by element.
         n_out = tl.multiple_of(n_out, 16)
     offs_m = tl.arange(0, BM)
-    offs_n = n0 + tl.arange(0, BN)
-    n_mask = offs_n < n_out
     offs_j = tl.arange(0, BK)
+    offs_c = tl.arange(0, BN)
+    g0 = tl.program_id(1) * BN * GROUP
+    g_end = tl.minimum(g0 + BN * GROUP, n_out)
     # Grid-stride over the step's work blocks (see _shrink_kernel).
-    nblocks = tl.where(n0 < n_out, tl.load(nblocks_ptr), 0)
+    nblocks = tl.where(g0 < n_out, tl.load(nblocks_ptr), 0)
     for blk in range(tl.program_id(0), nblocks, tl.num_programs(0)):
         slot = tl.load(blocks_ptr + blk * 3)
         seg_off = tl.load(seg_ptr + slot * num_segs + seg0 + 2 * s)
@@ -121,26 +129,27 @@ def _expand_kernel(
             length = tl.load(blocks_ptr + blk * 3 + 2)
             m_mask = offs_m < length
             toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
-            # y is loaded first so that its latency overlaps the weight loads.
-            out = y_ptr + toks[:, None] * stride_yt + col0 + offs_n[None, :]
-            mask = m_mask[:, None] & n_mask[None, :]
-            y = tl.load(out, mask=mask, other=0.0)
-            acc = y.to(tl.float32)
-            for j0 in range(0, rank, BK):
-                j_mask = (j0 + offs_j) < rank
-                h_tile = h_ptr + s * stride_hs + toks[:, None] * stride_ht + (j0 + offs_j)[None, :]
-                if EVEN_H:  # h is 0 past the rank up to its width, a multiple of BK
-                    hj = tl.load(h_tile, mask=m_mask[:, None], other=0.0)
-                else:
-                    hj = tl.load(h_tile, mask=m_mask[:, None] & j_mask[None, :], other=0.0)
-                chunk = seg_off + (j0 + offs_j) * width + n0  # BN columns of row j: one page
-                page = tl.load(pages_ptr + slot * max_pages + chunk // page_size, mask=j_mask,
-                               other=0)
-                base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
-                w = tl.load(pool_ptr + base[:, None] + tl.arange(0, BN)[None, :],
-                            mask=j_mask[:, None] & n_mask[None, :], other=0.0)
-                acc += tl.dot(hj.to(w.dtype), w)
-            tl.store(out, acc.to(y.dtype), mask=mask)
+            h_rows = h_ptr + s * stride_hs + toks[:, None] * stride_ht
+            y_rows = y_ptr + toks[:, None] * stride_yt + col0
+            page_row = pages_ptr + slot * max_pages
+            for n0 in range(g0, g_end, BN):
+                offs_n = n0 + offs_c
+                n_mask = offs_n < n_out
+                mask = m_mask[:, None] & n_mask[None, :]
+                y = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
+                acc = y.to(tl.float32)
+                for j0 in range(0, rank, BK):
+                    j_mask = (j0 + offs_j) < rank
+                    hj = tl.load(h_rows + (j0 + offs_j)[None, :],
+                                 mask=m_mask[:, None] & j_mask[None, :], other=0.0)
+                    chunk = seg_off + (j0 + offs_j) * width + n0
+                    page = tl.load(page_row + chunk // page_size, mask=j_mask, other=0)
+                    base = tl.multiple_of(page.to(tl.int64) * page_size
+                                          + chunk % page_size, 16)
+                    w = tl.load(pool_ptr + base[:, None] + offs_c[None, :],
+                                mask=j_mask[:, None] & n_mask[None, :], other=0.0)
+                    acc += tl.dot(hj.to(w.dtype), w)
+                tl.store(y_rows + offs_n[None, :], acc.to(y.dtype), mask=mask)
 
 
 @triton.jit
@@ -215,19 +224,31 @@ WRITE_BLOCK = 4096  # elements a program copies
 
 @dataclass(frozen=True)
 class Tiles:
+    """Shrink: rank rows (block_n) by input columns (block_k) per step.
+    Expand: output columns (block_n) by rank rows (block_k) per step, `group`
+    column tiles per program and block."""
+
     block_n: int
     block_k: int
     split_k: int = 0  # shrink only; 0: chosen per launch by `auto_split_k`
     num_warps: int = 4
     num_stages: int = 2
+    group: int = 1  # expand only
 
 
 def shrink_tiles(batch: TokenBatch, k: int) -> Tiles:
-    """Few tokens per block (decode) or many (prefill). Both defaults are the
-    tiles `bench_lora_kernels.py --tune` chose on an H200 (docs/benchmarks/kernels.md)."""
+    """Few tokens per block (decode) or many (prefill); `k`: input columns.
+    Chosen by `benchmarks/kernels/engine_grid.py --sweep` on an H200 at the
+    Llama-3-8B shapes, 200 adapters of ranks 16-64, 256 and 2048 tokens
+    (docs/benchmarks/kernels.md, 2026-11-25): the same tiles were best or
+    within noise at K 4096 and 14336 but for the ones split out here."""
     if batch.block_m <= 16:
-        return Tiles(block_n=32, block_k=128, split_k=16)
-    return Tiles(block_n=32, block_k=128, num_warps=8, num_stages=3)
+        if k > 4096:  # down_proj's 14336 (and 11008): wider tiles, fewer steps
+            return Tiles(block_n=32, block_k=256, split_k=4)
+        return Tiles(block_n=16, block_k=128, split_k=4)
+    if k > 4096:
+        return Tiles(block_n=32, block_k=128, split_k=4)
+    return Tiles(block_n=32, block_k=128, split_k=1)
 
 
 @functools.cache
@@ -258,11 +279,12 @@ def block_programs(max_blocks: int, per_block: int, device: torch.device) -> int
     return max(1, min(max_blocks, triton.cdiv(PROGRAMS_PER_SM * sms, per_block)))
 
 
-def expand_tiles(batch: TokenBatch) -> Tiles:
-    """As `shrink_tiles`: tuned on an H200."""
+def expand_tiles(batch: TokenBatch, n: int) -> Tiles:
+    """As `shrink_tiles`; `n`: the widest slice's output columns. The sweep
+    kept one column tile per program and 16 rank rows a step."""
     if batch.block_m <= 16:
-        return Tiles(block_n=128, block_k=32)
-    return Tiles(block_n=128, block_k=16)
+        return Tiles(block_n=128, block_k=16)
+    return Tiles(block_n=256, block_k=16)
 
 
 @dataclass(frozen=True)
@@ -338,19 +360,21 @@ class TritonBackend:
         return t, split_k, grid
 
     def _shrink(self, x, pool, h, batch, slots, layout, k, width, seg0, count) -> None:
-        """h[s] = x @ (rows of segment seg0 + 2s).T for s < count; x has k columns."""
-        h.zero_()
+        """h[s, t, :rank] = x[t] @ (rows of segment seg0 + 2s).T for s < count;
+        x has k columns."""
         if batch.max_blocks == 0:
             return
         t, split_k, grid = self._shrink_launch(batch, slots.max_rank, k, count, x.device)
         _check_align(layout, t.block_k)
+        if split_k > 1:  # the splits add into h
+            h.zero_()
         _shrink_kernel[grid](
             x, pool, h, batch.sorted_tokens, batch.blocks, batch.num_blocks_dev, slots.rank,
             slots.seg_offsets, slots.pages, k, width, layout.page_size,
             layout.num_segments, slots.pages.shape[1], seg0,
             x.stride(0), h.stride(0), h.stride(1),
             BM=batch.block_m, BN=t.block_n, BK=t.block_k, SPLIT_K=split_k,
-            EVEN_H=h.shape[-1] % t.block_n == 0,
+            EVEN_K=k % t.block_k == 0,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
@@ -359,9 +383,10 @@ class TritonBackend:
         slices must write disjoint columns (programs of different s run at once)."""
         if batch.max_blocks == 0:
             return
-        t = self._expand_tiles(batch)
+        n_max = max(n for _, n, _ in desc_rows)
+        t = self._expand_tiles(batch, n_max)
         _check_align(layout, t.block_n)
-        col_blocks = triton.cdiv(max(n for _, n, _ in desc_rows), t.block_n)
+        col_blocks = triton.cdiv(n_max, t.block_n * t.group)
         grid = (block_programs(batch.max_blocks, col_blocks * len(desc_rows), y.device),
                 col_blocks, len(desc_rows))
         _expand_kernel[grid](
@@ -369,9 +394,8 @@ class TritonBackend:
             slots.seg_offsets, slots.pages, _desc(tuple(desc_rows), y.device),
             layout.page_size, layout.num_segments, slots.pages.shape[1], seg0,
             h.stride(0), h.stride(1), y.stride(0),
-            BM=batch.block_m, BN=t.block_n, BK=t.block_k,
+            BM=batch.block_m, BN=t.block_n, BK=t.block_k, GROUP=t.group,
             ALIGNED=all(n % 16 == 0 and col % 16 == 0 for _, n, col in desc_rows),
-            EVEN_H=h.shape[-1] % t.block_k == 0,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
@@ -388,7 +412,8 @@ class TritonBackend:
         for batch in batches:
             t, split_k, _ = self._shrink_launch(batch, slots.max_rank, module.in_features,
                                                 module.count, x.device)
-            key = (batch.block_m, t, split_k, self._expand_tiles(batch))
+            key = (batch.block_m, t, split_k,
+                   self._expand_tiles(batch, max(module.out_features)))
             if key not in seen:
                 seen.add(key)
                 self.shrink(x, pool, h, batch, slots, module, layout)
@@ -397,16 +422,15 @@ class TritonBackend:
 
     def shrink(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, batch: TokenBatch,
                slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
-        """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T; every other entry of h is 0."""
+        """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T; no other entry of h is written."""
         self._shrink(x, pool, h, batch, slots, layout, module.in_features,
                      layout.width(2 * module.first), 2 * module.first, module.count)
 
     def expand(self, h: torch.Tensor, pool: torch.Tensor, y: torch.Tensor, batch: TokenBatch,
                slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
         """y[t, slice s columns] += h[s, t, :rank] @ Bt_{slot(t), s}; tokens
-        without an adapter and untargeted slices are left as they are. h must
-        be 0 past each rank, as `shrink` leaves it (its columns there meet
-        masked weights, but are read)."""
+        without an adapter and untargeted slices are left as they are. h is
+        read up to each token's rank only."""
         rows = [(layout.width(2 * (module.first + s) + 1), n, col)
                 for s, (n, col) in enumerate(zip(module.out_features, module.out_offsets,
                                                  strict=True))]
@@ -419,8 +443,8 @@ class TritonBackend:
     def expand_grad_h(self, dy: torch.Tensor, pool: torch.Tensor, dh: torch.Tensor,
                       batch: TokenBatch, slots: SlotTable, module: ModuleSlices,
                       layout: LayerLayout) -> None:
-        """dh[s, t, :rank] = dy[t, slice s columns] @ Bt_{slot(t), s}.T; every
-        other entry of dh is 0: a shrink over the Bt segments."""
+        """dh[s, t, :rank] = dy[t, slice s columns] @ Bt_{slot(t), s}.T, no
+        other entry of dh written: a shrink over the Bt segments."""
         for s, (col, n_out) in enumerate(zip(module.out_offsets, module.out_features,
                                              strict=True)):
             seg = 2 * (module.first + s) + 1
@@ -431,7 +455,7 @@ class TritonBackend:
                       batch: TokenBatch, slots: SlotTable, module: ModuleSlices,
                       layout: LayerLayout) -> None:
         """dx[t] += sum over slices s of dh[s, t, :rank] @ A_{slot(t), s}: an
-        expand over the A segments. dh must be 0 past each rank."""
+        expand over the A segments (dh read up to each rank)."""
         for s in range(module.count):
             seg = 2 * (module.first + s)
             self._expand(dh[s:s + 1], pool, dx, batch, slots, layout,
