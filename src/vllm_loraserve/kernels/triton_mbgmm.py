@@ -241,7 +241,11 @@ def shrink_tiles(batch: TokenBatch, k: int) -> Tiles:
     Chosen by `benchmarks/kernels/engine_grid.py --sweep` on an H200 at the
     Llama-3-8B shapes, 200 adapters of ranks 16-64, 256 and 2048 tokens
     (docs/benchmarks/kernels.md, 2026-11-25): the same tiles were best or
-    within noise at K 4096 and 14336 but for the ones split out here."""
+    within noise at K 4096 and 14336 but for the ones split out here. Below
+    ~48 tokens, the split-K 16 tiles of the 2026-11-21 tuning: the sweep's
+    split 4 made one token's layer 1.6x slower."""
+    if batch.max_blocks <= 64:  # a few tokens: split K wide (the fixed cost is latency)
+        return Tiles(block_n=32, block_k=128, split_k=16)
     if batch.block_m <= 16:
         if k > 4096:  # down_proj's 14336 (and 11008): wider tiles, fewer steps
             return Tiles(block_n=32, block_k=256, split_k=4)
