@@ -242,9 +242,9 @@ def shrink_tiles(batch: TokenBatch, k: int) -> Tiles:
     Llama-3-8B shapes, 200 adapters of ranks 16-64, 256 and 2048 tokens
     (docs/benchmarks/kernels.md, 2026-11-25): the same tiles were best or
     within noise at K 4096 and 14336 but for the ones split out here. Below
-    ~48 tokens, the split-K 16 tiles of the 2026-11-21 tuning: the sweep's
-    split 4 made one token's layer 1.6x slower."""
-    if batch.max_blocks <= 64:  # a few tokens: split K wide (the fixed cost is latency)
+    ~100 tokens, the tiles of the 2026-11-21 tuning: the sweep's (tuned at
+    256 tokens) made a layer of 1 to 64 tokens up to 1.6x slower."""
+    if batch.max_blocks <= 128:  # a few tokens: split K wide (the fixed cost is latency)
         return Tiles(block_n=32, block_k=128, split_k=16)
     if batch.block_m <= 16:
         if k > 4096:  # down_proj's 14336 (and 11008): wider tiles, fewer steps
@@ -286,6 +286,8 @@ def block_programs(max_blocks: int, per_block: int, device: torch.device) -> int
 def expand_tiles(batch: TokenBatch, n: int) -> Tiles:
     """As `shrink_tiles`; `n`: the widest slice's output columns. The sweep
     kept one column tile per program and 16 rank rows a step."""
+    if batch.max_blocks <= 128:
+        return Tiles(block_n=128, block_k=32)
     if batch.block_m <= 16:
         return Tiles(block_n=128, block_k=16)
     return Tiles(block_n=256, block_k=16)
