@@ -38,9 +38,9 @@ def main() -> None:
     device_streams = paged_manager.PagedWorkerLoRAManager._device_streams
     load = DevicePool.load
 
-    def read(path, alloc):
+    def read(path, alloc, *args):
         failing("read", paths.get(path))
-        return read_weights(path, alloc)
+        return read_weights(path, alloc, *args)
 
     def pack(self, entry):
         failing("pack", entry.name)
