@@ -192,15 +192,21 @@ def main() -> None:
     ap.add_argument("--baseline", help="a triton_mbgmm.py to compare with")
     ap.add_argument("--sweep", action="store_true",
                     help="search tiles per module kind, mix and token count")
+    ap.add_argument("--also-bm16", action="store_true",
+                    help="also time the current kernels with 16-token work blocks at every "
+                         "token count (worker/pool.py SMALL_BATCH raised)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from vllm_loraserve.kernels import triton_mbgmm as mbgmm
+    from vllm_loraserve.worker import pool as pool_mod
 
     dev = torch.device("cuda")
     shape, kinds = SHAPES[a.shape], TARGETS[a.targets]
     peak = copy_tb_s(dev)
     print(f"copy: {peak:.2f} TB/s", flush=True)
     old = load_module(a.baseline, "baseline_mbgmm") if a.baseline else None
+    if a.sweep and a.also_bm16:  # sweep the 16-token blocks at every token count
+        pool_mod.SMALL_BATCH = 1 << 30
     rows = []
     for mix in a.mixes.split(","):
         for t in (int(v) for v in a.tokens.split(",")):
@@ -211,19 +217,24 @@ def main() -> None:
                 if a.sweep:
                     row[kind] = sweep(pool, kind, t, dev, mbgmm, print)
                     continue
-                variants = [("new", mbgmm.TritonBackend())]
+                variants = [("new", mbgmm.TritonBackend(), pool_mod.SMALL_BATCH)]
                 if old is not None:
-                    variants.insert(0, ("baseline", old.TritonBackend()))
+                    variants.insert(0, ("baseline", old.TritonBackend(), pool_mod.SMALL_BATCH))
+                if a.also_bm16:
+                    variants.append(("bm16", mbgmm.TritonBackend(), 1 << 30))
                 ys = {}
-                for name, backend in variants:
-                    pool.backend = backend
+                default_small = pool_mod.SMALL_BATCH
+                for name, backend, small in variants:
+                    pool.backend, pool_mod.SMALL_BATCH = backend, small
                     row[f"{kind}_{name}_us"], ys[name] = time_module(pool, kind, t, dev)
+                pool_mod.SMALL_BATCH = default_small
                 if old is not None:
                     row[f"{kind}_max_abs_diff"] = (ys["new"].float()
                                                    - ys["baseline"].float()).abs().max().item()
             per_kind = ({"sweep": [row[k]["us"] for k in kinds]} if a.sweep else
                         {name: [row[f"{k}_{name}_us"] for k in kinds]
-                         for name in ("baseline", "new") if f"{kinds[0]}_{name}_us" in row})
+                         for name in ("baseline", "new", "bm16")
+                         if f"{kinds[0]}_{name}_us" in row})
             for name, times in per_kind.items():
                 us = sum(times)
                 row[f"{name}_layer_us"] = round(us, 2)
