@@ -12,13 +12,9 @@ Every tensor the kernels read is allocated once and changed in place, so a
 CUDA graph captured with any batch replays correctly with a later one: the
 kernels' grids depend only on the number of tokens, and programs past the
 step's real work blocks (read on the device) return at once. Two token
-batchings are filled every step, 16 tokens per work block (decode: MBGMV)
-and 64 (prefill: MBGMM), so a graph replays correctly whichever one it
-captured. Up to SMALL_BATCH tokens (every size vLLM captures by default)
-a step uses 16; above it, 64 only when its adapters average more than
-TALL_BLOCK_TOKENS tokens each: a step of a thousand tokens over a hundred
-adapters ran 1.6-1.75x faster in 16-token blocks than in 64-token ones
-(docs/benchmarks/kernels.md, 2026-11-25).
+batchings are kept, 16 tokens per work block for small batches (decode:
+MBGMV) and 64 for large ones (prefill: MBGMM); the choice depends on the
+token count only, so it is the same at capture and at replay.
 
 Invariant: a token's adapter id maps to a slot only if that adapter's pages
 were written in this or an earlier step; a real adapter id without a slot is
@@ -36,8 +32,7 @@ from vllm_loraserve.kernels import SlotTable, get_backend
 from vllm_loraserve.kernels.batch import ModuleSlices, TokenBatch, TokenBatchBuffers
 from vllm_loraserve.paging.layout import AdapterPlacement, LayerLayout, SliceSpec
 
-SMALL_BATCH = 512  # tokens; at most this many always use 16-token work blocks
-TALL_BLOCK_TOKENS = 16  # above SMALL_BATCH: 64-token blocks past this many per adapter
+SMALL_BATCH = 512  # tokens; at most this many use 16-token work blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +75,6 @@ class DevicePool:
         self._buffers = {bm: TokenBatchBuffers(max_tokens, max_slots, bm, device)
                          for bm in (16, 64)}
         self._batches: dict[int, TokenBatch] = {}
-        self._tall = False  # this step uses 64-token blocks if it has > SMALL_BATCH tokens
         self.active = False  # the step has LoRA requests (warm-up dummies count)
         self.pages: list[torch.Tensor] | None = None
         self.slots: dict[int, _Resident] = {}
@@ -107,8 +101,7 @@ class DevicePool:
         # no blocks: nothing is computed. No step has filled them yet.
         for buffers in self._buffers.values():
             buffers.num_blocks.zero_()
-        shapes = sorted({self._shape(t, tall) for t in range(1, self.h.shape[1] + 1)
-                         for tall in (False, True)})
+        shapes = sorted({self._shape(t) for t in range(1, self.h.shape[1] + 1)})
         batches = [TokenBatch(1, self._buffers[bm].sorted_tokens,
                               self._buffers[bm].blocks[:bound], self._buffers[bm].num_blocks,
                               0, bm) for bm, bound in shapes]
@@ -188,20 +181,18 @@ class DevicePool:
             self.adapter_steps += 1
             self.adapter_step_adapters += len(used)
         token_slots = np.where(ids > 0, lut[np.maximum(ids, 0)], -1)
-        self._tall = int((token_slots >= 0).sum()) > TALL_BLOCK_TOKENS * max(1, len(used))
         self._batches = {bm: buf.fill(token_slots) for bm, buf in self._buffers.items()}
 
-    def _shape(self, num_tokens: int, tall: bool) -> tuple[int, int]:
+    def _shape(self, num_tokens: int) -> tuple[int, int]:
         """(tokens per work block, most blocks) of a layer input of
         `num_tokens` rows: what the kernels' launch depends on."""
-        bm = 64 if tall and num_tokens > SMALL_BATCH else 16
+        bm = 16 if num_tokens <= SMALL_BATCH else 64
         return bm, -(-num_tokens // bm) + min(num_tokens, self.max_slots)
 
     def _batch(self, num_tokens: int) -> TokenBatch:
         """The step's batch for a layer input of `num_tokens` rows (padded
-        for a CUDA graph, possibly): grid bounded by that count and the
-        block height alone."""
-        bm, bound = self._shape(num_tokens, self._tall)
+        for a CUDA graph, possibly): grid bounded by that count alone."""
+        bm, bound = self._shape(num_tokens)
         batch = self._batches[bm]
         if batch.blocks.shape[0] != bound:
             batch = self._batches[bm] = dataclasses.replace(
