@@ -9,11 +9,12 @@ import httpx
 import pytest
 
 from vllm_loraserve.cluster.engine import AdapterRejected, Engine, EngineSpec
+from vllm_loraserve.cluster.engine_plan import EnginePlan
 from vllm_loraserve.frontend import errors
 
 
 def _engine(tmp_path, status: int, body: dict | str) -> Engine:
-    engine = Engine(EngineSpec(index=0, model="m", workdir=str(tmp_path)))
+    engine = Engine(EngineSpec(EnginePlan(0, str(tmp_path), "cpu", None), model="m"))
     engine.url = "http://engine"
 
     def answer(request: httpx.Request) -> httpx.Response:

@@ -92,13 +92,6 @@ def test_tcp_transport_moves_an_adapter_between_stores(tiny_assets, tmp_path):
     asyncio.run(body())
 
 
-def test_rdma_transport_says_it_is_not_implemented():
-    with pytest.raises(NotImplementedError, match="RDMA"):
-        make_transport("rdma")
-    with pytest.raises(ValueError, match="unknown transport"):
-        make_transport("carrier-pigeon")
-
-
 def test_local_source_lists_valid_adapters_and_says_why_others_are_not(tiny_assets, tmp_path):
     good = os.path.join(tiny_assets, "adapters")
     extra = tmp_path / "extra"

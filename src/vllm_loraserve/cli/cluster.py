@@ -13,6 +13,7 @@ import shlex
 from vllm_loraserve.adapters.record import read_catalog
 from vllm_loraserve.cluster.launch import ADMIN_TOKEN_ENV  # imports no Ray
 from vllm_loraserve.cluster.placement import POLICIES, PlacementInput, check_assignment, get_policy
+from vllm_loraserve.cluster.transport import TRANSPORTS
 from vllm_loraserve.perf.operating import load_profile
 
 
@@ -45,6 +46,9 @@ def _spec(a: argparse.Namespace, **overrides):
                   health_interval_s=a.health_interval, restart_attempts=a.restart_attempts,
                   transport=a.transport, workdir=a.workdir,
                   serve_args=tuple(shlex.split(a.serve_args)), device=a.device,
+                  engines_per_gpu=a.engines_per_gpu,
+                  gpu_memory_utilization=a.gpu_memory_utilization,
+                  engine_base_port=a.engine_base_port,
                   profile=a.profile,
                   admin_token=a.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
                   allowed_roots=tuple(os.path.abspath(r) for r in a.allowed_root or ()))
@@ -52,6 +56,7 @@ def _spec(a: argparse.Namespace, **overrides):
 
 
 def _up(a: argparse.Namespace) -> None:
+    from vllm_loraserve.cluster.engine_plan import PlanError
     from vllm_loraserve.cluster.launch import check_exposure, up
 
     spec = _spec(a)
@@ -59,7 +64,10 @@ def _up(a: argparse.Namespace) -> None:
         check_exposure(spec)  # before Ray, engines or the router open any socket
     except ValueError as e:
         raise SystemExit(f"loraserve cluster up: {e}") from None
-    up(spec)
+    try:
+        up(spec)  # plans the engines before it starts Ray
+    except PlanError as e:
+        raise SystemExit(f"loraserve cluster up: {e}") from None
 
 
 def _demo(a: argparse.Namespace) -> None:
@@ -97,10 +105,19 @@ def _cluster_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--health-interval", type=float, default=2.0)
     p.add_argument("--restart-attempts", type=int, default=3,
                    help="restarts of a dead engine before it is left down")
-    p.add_argument("--transport", choices=["tcp", "rdma"], default="tcp",
-                   help="adapter transport between engines (rdma: not implemented yet)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="tcp",
+                   help="adapter transport between engines (nixl: GPU to GPU, not verified "
+                   "on a GPU yet; tcp where nixl cannot start)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--profile", help="`loraserve profile` output (default: built-in model)")
+    if demo:
+        return
+    p.add_argument("--engines-per-gpu", type=int, default=1,
+                   help="CUDA: engines sharing one GPU (each gets --gpu-memory-utilization / K)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA: the share of each GPU its engines use together (default 0.9)")
+    p.add_argument("--engine-base-port", type=int, default=0,
+                   help="engine i listens on 127.0.0.1:BASE+i (default 0: free ports)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
+from vllm_loraserve.cluster.engine_plan import EnginePlan
 from vllm_loraserve.cluster.sources import make_source
 from vllm_loraserve.cluster.store import AdapterStore
 from vllm_loraserve.cluster.transport import make_transport
@@ -31,39 +32,43 @@ class AdapterRejected(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineSpec:
-    index: int
+    plan: EnginePlan  # device, env, `vllm serve` arguments, port (engine_plan.py)
     model: str
-    workdir: str
-    serve_args: tuple[str, ...] = ()  # extra `vllm serve` arguments
-    env: dict[str, str] = field(default_factory=dict)  # e.g. CPU core binding
     transport: str = "tcp"
     source: tuple[str, str] = ("local", "")  # (kind, location) of the adapter source
     startup_timeout_s: float = 600.0
+
+    @property
+    def index(self) -> int:
+        return self.plan.index
+
+    @property
+    def workdir(self) -> str:
+        return self.plan.workdir
 
 
 class Engine:
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
-        self.store = AdapterStore(os.path.join(spec.workdir, "adapters"))
-        self.transport = make_transport(spec.transport)
+        if spec.plan.gpu is not None:
+            # The actor is this engine's own process: its GPU work (the nixl
+            # transport's staging) then runs on cuda:0, its server's GPU.
+            os.environ["CUDA_VISIBLE_DEVICES"] = spec.plan.gpu
+        self.store = AdapterStore(spec.plan.store_root)
+        self.transport = make_transport(spec.transport, spec.plan.host, "cuda:0")
         self.server: Server | None = None
         self.url = ""
         self.transport_address = ""
         self._http = httpx.AsyncClient(timeout=60.0)
 
-    def _command(self, port: int) -> list[str]:
-        # The router loads adapters from this engine's store only.
-        return [vllm_executable(), "serve", self.spec.model, "--plugin", "loraserve",
-                "--enable-lora", "--host", "127.0.0.1", "--port", str(port),
-                "--loraserve-allowed-root", self.store.root, *self.spec.serve_args]
-
     async def start(self) -> dict:
         """Start the server (blocks until healthy) and the transport."""
-        port = free_port()
-        env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", **self.spec.env}
-        log = os.path.join(self.spec.workdir, "server.log")
-        self.server = Server(self._command(port), log, env)
-        self.url = f"http://127.0.0.1:{port}"
+        plan = self.spec.plan
+        port = plan.port or free_port()
+        env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", **plan.env}
+        log = os.path.join(plan.workdir, "server.log")
+        self.server = Server(plan.command(vllm_executable(), self.spec.model, port), log, env)
+        self.url = f"http://{plan.host}:{port}"
         await asyncio.to_thread(self.server.wait_ready, self.url, self.spec.startup_timeout_s,
                                 False)
         if not self.transport_address:

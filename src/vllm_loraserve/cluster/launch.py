@@ -20,10 +20,12 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 from dataclasses import dataclass, field
 
 from vllm_loraserve.cluster.engine import Engine, EngineSpec
+from vllm_loraserve.cluster.engine_plan import EnginePlan, plan_engines, start_waves, visible_gpus
 from vllm_loraserve.worker.rendezvous import _is_loopback
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -49,6 +51,9 @@ class ClusterSpec:
     workdir: str = ".loraserve-cluster"  # logs, engine stores, registered adapters
     serve_args: tuple[str, ...] = ()  # extra `vllm serve` arguments for every engine
     device: str = "auto"  # "cpu", "cuda" or "auto"
+    engines_per_gpu: int = 1  # CUDA: engines sharing one GPU (engine_plan.py)
+    gpu_memory_utilization: float | None = None  # CUDA: per GPU, split between its engines
+    engine_base_port: int = 0  # engine i listens on base + i; 0: free ports
     profile: str | None = None  # `loraserve profile` output; default: the built-in model
     # Bearer token every /admin route requires; needed when `host` is not loopback.
     admin_token: str | None = field(default=None, repr=False)
@@ -185,14 +190,34 @@ class RouterActor:
         await self.serve_task
 
 
-def _engine_env(index: int, device: str) -> dict[str, str]:
-    if device == "cpu":
-        cores = os.cpu_count() or 1
-        return {"VLLM_CPU_OMP_THREADS_BIND": str(index % cores),
-                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    import torch
+def plan_for(spec: ClusterSpec, device: str, workdir: str,
+             serve_args: tuple[str, ...]) -> list[EnginePlan]:
+    """`plan_engines` with this machine's facts: its cores, or its visible
+    GPUs, their memory (NVML: the launcher holds no CUDA context on them)
+    and the size of a local model's weights."""
+    facts = _gpu_facts(spec.model) if device == "cuda" else {}
+    return plan_engines(spec.engines, device, workdir, serve_args,
+                        engines_per_gpu=spec.engines_per_gpu,
+                        gpu_memory_utilization=spec.gpu_memory_utilization,
+                        cpu_cores=os.cpu_count() or 1, base_port=spec.engine_base_port,
+                        kv_cache_gib=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **facts)
 
-    return {"CUDA_VISIBLE_DEVICES": str(index % max(1, torch.cuda.device_count()))}
+
+def _gpu_facts(model: str) -> dict:
+    import torch
+    from vllm.platforms import current_platform
+
+    gpus = visible_gpus(os.environ, torch.cuda.device_count())
+    return {"gpus": gpus, "model_bytes": _weights_bytes(model),
+            "gpu_bytes": current_platform.get_device_total_memory(0) if gpus else None}
+
+
+def _weights_bytes(model: str) -> int | None:
+    """A local model directory's weight files; None for a hub name."""
+    if not os.path.isdir(model):
+        return None
+    return sum(e.stat().st_size for e in os.scandir(model)
+               if e.name.endswith((".safetensors", ".bin", ".pt"))) or None
 
 
 def _device(requested: str) -> str:
@@ -224,22 +249,24 @@ class Cluster:
         top_rank = max((e.rank for e in valid), default=8)
         max_rank = next(r for r in SUPPORTED_RANKS if r >= top_rank)
         device = _device(spec.device)
-        start_ray(num_cpus=max(2, os.cpu_count() or 2))
-        import ray  # after start_ray: Ray reads the loopback setting when imported
         serve_args = ("--served-model-name", spec.base_model, "--max-lora-rank", str(max_rank),
                       "--max-cpu-loras", str(max(8, len(valid))), *spec.serve_args)
+        plans = plan_for(spec, device, workdir, serve_args)  # refuses a layout before Ray
+        start_ray(num_cpus=max(2, os.cpu_count() or 2))
+        import ray  # after start_ray: Ray reads the loopback setting when imported
         engine_actor = ray.remote(num_cpus=0, max_concurrency=64)(Engine)
-        for i in range(spec.engines):
-            edir = os.path.join(workdir, f"engine-{i}")
-            shutil.rmtree(os.path.join(edir, "adapters"), ignore_errors=True)
-            os.makedirs(edir, exist_ok=True)
-            self.actors.append(engine_actor.options(name=f"engine-{i}").remote(EngineSpec(
-                index=i, model=spec.model, workdir=edir, serve_args=serve_args,
-                env=_engine_env(i, device), transport=spec.transport,
-                source=("local", source))))
+        for plan in plans:
+            shutil.rmtree(plan.store_root, ignore_errors=True)
+            os.makedirs(plan.workdir, exist_ok=True)
+            logger.info("engine %d: %s%s", plan.index, plan.device,
+                        f" (CUDA device {plan.gpu})" if plan.gpu is not None else "")
+            self.actors.append(engine_actor.options(name=f"engine-{plan.index}").remote(
+                EngineSpec(plan, spec.model, transport=spec.transport,
+                           source=("local", source))))
         logger.info("starting %d engines (logs in %s/engine-*/server.log)", spec.engines,
                     workdir)
-        infos = ray.get([a.start.remote() for a in self.actors])
+        infos = [info for wave in start_waves(plans)
+                 for info in ray.get([self.actors[i].start.remote() for i in wave])]
         router_actor = ray.remote(num_cpus=0, max_concurrency=1000)(RouterActor)
         self.router = router_actor.options(name="router").remote()
         return ray.get(self.router.start.remote(spec, infos, source, registry))
@@ -250,6 +277,8 @@ class Cluster:
         return [ray.get(a.pid.remote()) for a in self.actors]
 
     def stop(self) -> None:
+        if "ray" not in sys.modules:  # refused before Ray started (e.g. its plan)
+            return
         import ray
 
         if not ray.is_initialized():

@@ -3,17 +3,23 @@
 A transport serves an engine's store to its peers and fetches an adapter
 from a peer into a store. Implementations are chosen by name:
 
-- `tcp` (this package): an uncompressed tar of the adapter directory over a
+- `tcp` (tcp.py): an uncompressed tar of the adapter directory over a
   TCP connection on loopback (or the engines' network);
-- `rdma`: GPUDirect RDMA through pyverbs is planned; it is not implemented,
-  and asking for it fails with that message rather than falling back.
+- `nixl` (nixl.py): the new holder READs the adapter from the holder's GPU
+  memory through NIXL (CUDA IPC within a host, GPUDirect RDMA across hosts).
+  Not verified on a GPU yet. Where NIXL or a CUDA device is missing, the
+  engine uses tcp and says why in one log line.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 from vllm_loraserve.cluster.store import AdapterStore
+
+logger = logging.getLogger(f"vllm.{__name__}")
+TRANSPORTS = ("tcp", "nixl")
 
 
 class Transport(Protocol):
@@ -30,13 +36,28 @@ class Transport(Protocol):
     async def close(self) -> None: ...
 
 
-def make_transport(name: str, host: str = "127.0.0.1") -> Transport:
-    if name == "tcp":
-        from vllm_loraserve.cluster.transport.tcp import TcpTransport
+def make_transport(name: str, host: str = "127.0.0.1", device: str = "cuda:0") -> Transport:
+    """The transport `name`; `device` is where nixl stages adapters."""
+    from vllm_loraserve.cluster.transport.tcp import TcpTransport
 
+    if name == "tcp":
         return TcpTransport(host)
-    if name == "rdma":
-        raise NotImplementedError(
-            "the RDMA (pyverbs) adapter transport is not implemented in this version; "
-            "use --transport tcp")
-    raise ValueError(f"unknown transport {name!r}; available: tcp")
+    if name == "nixl":
+        try:
+            return _nixl(host, device)
+        except Exception as e:  # noqa: BLE001 - any reason NIXL cannot start is a fallback
+            reason = str(e) or type(e).__name__
+            logger.warning("nixl transport unavailable (%s): using tcp", reason)
+            return TcpTransport(host)
+    raise ValueError(f"unknown transport {name!r}; available: {', '.join(TRANSPORTS)}")
+
+
+def _nixl(host: str, device: str) -> Transport:
+    from vllm_loraserve.cluster.transport.nixl import NixlTransport, make_agent
+
+    agent = make_agent()  # first: its ImportError names the missing module
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device")
+    return NixlTransport(agent, device, host)

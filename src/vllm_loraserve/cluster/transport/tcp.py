@@ -2,6 +2,9 @@
 
     client: b"GET <name>\\n"
     server: b"OK <nbytes>\\n" + <nbytes of tar>   or   b"ERR <message>\\n"
+
+The nixl transport (nixl.py) serves the same port with one more verb, so a
+tcp engine and a nixl engine fetch from each other.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import asyncio
 from vllm_loraserve.cluster.store import AdapterStore, check_name
 
 MAX_ADAPTER_BYTES = 16 << 30
+BAD_REQUEST = "bad request"  # the start of the error for a verb the server does not know
 
 
 class TcpTransport:
@@ -25,10 +29,8 @@ class TcpTransport:
             try:
                 line = (await reader.readline()).decode().strip()
                 verb, _, name = line.partition(" ")
-                if verb != "GET":
-                    raise ValueError(f"bad request {line[:80]!r}")
-                data = await asyncio.to_thread(store.tar, check_name(name))
-                writer.write(f"OK {len(data)}\n".encode() + data)
+                await self.answer(verb, check_name(name) if name else name, store, reader,
+                                  writer)
             except (KeyError, ValueError) as e:
                 writer.write(f"ERR {e}\n".encode())
             await writer.drain()
@@ -37,6 +39,15 @@ class TcpTransport:
         self._server = await asyncio.start_server(handle, self.host, 0)
         port = self._server.sockets[0].getsockname()[1]
         return f"{self.host}:{port}"
+
+    async def answer(self, verb: str, name: str, store: AdapterStore,
+                     reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One request; a subclass adds verbs (nixl.py). A verb this server
+        does not know is answered `ERR bad request ...` (BAD_REQUEST)."""
+        if verb != "GET":
+            raise ValueError(f"{BAD_REQUEST} {verb[:20]!r}")
+        data = await asyncio.to_thread(store.tar, name)
+        writer.write(f"OK {len(data)}\n".encode() + data)
 
     async def fetch(self, address: str, adapter: str, store: AdapterStore) -> int:
         host, _, port = address.rpartition(":")
