@@ -57,16 +57,27 @@ class _Lease:
 class _RelayResponse(StreamingResponse):
     """Releases the lease and the upstream connection however the response
     ends: Starlette cancels a stream whose client left, possibly before its
-    generator ever ran (whose `finally` then never runs)."""
+    generator ever ran (whose `finally` then never runs). If the engine
+    leaves routing meanwhile, closes the upstream connection: the relay's
+    read fails at once (a hung engine's stream would wait for the upstream
+    timeout)."""
 
-    def __init__(self, content, lease: _Lease, upstream: httpx.Response, **kw) -> None:
+    def __init__(self, content, lease: _Lease, upstream: httpx.Response,
+                 down: asyncio.Event, **kw) -> None:
         super().__init__(content, **kw)
-        self._lease, self._upstream = lease, upstream
+        self._lease, self._upstream, self._down = lease, upstream, down
+
+    async def _close_when_down(self) -> None:
+        await self._down.wait()
+        await self._upstream.aclose()
 
     async def __call__(self, scope, receive, send) -> None:
+        # one waiting task per stream, not one race per line (~45 us a line)
+        watcher = asyncio.create_task(self._close_when_down())
         try:
             await super().__call__(scope, receive, send)
         finally:
+            watcher.cancel()
             self._lease.release("cancelled")
             await self._upstream.aclose()
 
@@ -174,7 +185,8 @@ async def _proxy(state: RouterState, path: str, request: Request) -> Response:
         upstream = answer.upstream
         if answer.lines is not None:
             return _RelayResponse(_relay(core, answer, lease, bool(forward_usage), down), lease,
-                                  upstream, media_type="text/event-stream", headers=headers)
+                                  upstream, down, media_type="text/event-stream",
+                                  headers=headers)
         status = "ok" if upstream.status_code == 200 else f"http_{upstream.status_code}"
         try:
             payload = json.loads(answer.body)
@@ -270,8 +282,10 @@ async def _relay(core: RouterCore, answer: _Answer, lease: _Lease, forward_usage
                  down: asyncio.Event) -> AsyncIterator[bytes]:
     """Relay a stream from its first line. A failure from here on ends it
     with an error event: part of the answer reached the client, so it is
-    never retried (no output twice)."""
+    never retried (no output twice). An engine leaving routing closes the
+    upstream (`_RelayResponse`), which ends the loop here."""
     tokens, status = 0, "cancelled"  # unless the loop ends or fails
+    engine = lease.engine
     try:
         line = answer.first
         while line is not None:
@@ -280,18 +294,20 @@ async def _relay(core: RouterCore, answer: _Answer, lease: _Lease, forward_usage
                 if chunk.get("usage"):
                     tokens = _usage_tokens(chunk)
                     if not chunk.get("choices") and not forward_usage:
-                        line = await _unless_down(anext(answer.lines, None), down, core,
-                                                  lease.engine)
+                        line = await anext(answer.lines, None)
                         continue
             yield (line + "\n").encode()
-            line = await _unless_down(anext(answer.lines, None), down, core, lease.engine)
+            line = await anext(answer.lines, None)
         status = "ok"
-    except (httpx.HTTPError, _EngineLost) as e:
+    except httpx.HTTPError as e:
         status = "failed"
-        if isinstance(e, httpx.HTTPError):
-            core.suspect(lease.engine)
-            e = f"{type(e).__name__}: {e}"
-        err = {"error": {"message": f"engine {lease.engine} failed during the response: {e}",
+        if down.is_set():
+            why = (f"engine {engine} left routing "
+                   f"({core.down_reason.get(engine, 'failed its health check')})")
+        else:
+            core.suspect(engine)
+            why = f"{type(e).__name__}: {e}"
+        err = {"error": {"message": f"engine {engine} failed during the response: {why}",
                          "type": "EngineFailure", "param": None, "code": 502}}
         yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
     finally:
