@@ -97,6 +97,7 @@ class FakeEngine:
         self.up = True
         if self.process is not None:
             await asyncio.to_thread(self.process.start)
+            self.pid = self.process.proc.pid
         self.stored.clear()
         self.loaded.clear()
         return {"index": self.index}

@@ -362,7 +362,7 @@ class RouterCore:
                 await self._apply(self._place(self.demand.estimate()))
             self.faults.replaced(fault, time.monotonic() - t0,
                                  {a: sorted(self.holders.get(a, set()) & self.alive)
-                                  for a in held if a in self.catalog}, only_here)
+                                  for a in sorted(held) if a in self.catalog}, only_here)
         if self.config.restart_attempts and engine not in self._restarting:
             self._spawn(self._restart(engine))
 
