@@ -339,7 +339,12 @@ class RouterCore:
 
     def down_signal(self, engine: int) -> asyncio.Event:
         """Set when `engine` leaves routing (then `down_reason[engine]` says
-        why); a request in flight on it waits on this too."""
+        why), and already set if it is out; a request in flight on it waits
+        on this too."""
+        if engine not in self.alive:  # left while the request was being routed
+            down = asyncio.Event()
+            down.set()
+            return down
         return self._down.setdefault(engine, asyncio.Event())
 
     async def _engine_down(self, engine: int, why: str = "failed its health check") -> None:
