@@ -1,15 +1,22 @@
 """In-memory engines for router tests: `EngineHandle`s that record what the
-router asked of them, with switches for faults."""
+router asked of them, with switches for faults; fake vLLM servers for their
+`url`, in a thread (`UpstreamServer`) or in a process that can be killed,
+stopped and started again on its port (`UpstreamProcess`)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -34,6 +41,9 @@ class FakeEngine:
     load_gates: dict = field(default_factory=dict)  # adapter -> asyncio.Event a load awaits
     restarts: int = 0
     gate: object = None  # an asyncio.Event a restart waits for, if set
+    # its server, when it is a process: health asks its /health (as the real
+    # Engine does), restart starts it again
+    process: UpstreamProcess | None = None
 
     def __post_init__(self) -> None:
         self.url = self.url or f"http://fake-{self.index}"
@@ -42,7 +52,13 @@ class FakeEngine:
         self.peers[self.transport_address] = self
 
     async def health(self) -> bool:
-        return self.up
+        if self.process is None or not self.up:
+            return self.up
+        try:
+            async with httpx.AsyncClient() as client:
+                return (await client.get(f"{self.url}/health", timeout=1.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     async def load(self, adapter: str) -> None:
         if not self.up:
@@ -79,6 +95,9 @@ class FakeEngine:
             await self.gate.wait()
         self.restarts += 1
         self.up = True
+        if self.process is not None:
+            await asyncio.to_thread(self.process.start)
+            self.pid = self.process.proc.pid
         self.stored.clear()
         self.loaded.clear()
         return {"index": self.index}
@@ -114,12 +133,19 @@ def upstream_app(index: int, model_info: dict | None = None):
     """A stand-in for `vllm serve`: /v1/completions answers with its engine
     index; streams when asked; the prompt "break" drops the connection after
     the first chunk (an engine dying mid-response); "slow" waits 3 s before
-    answering (or after the first chunk when streaming). It refuses, with
+    answering (or after the first chunk when streaming); on engine `index`
+    only, "hold-<index>" never answers (streamed: nothing after the headers)
+    and "hold-after-first-<index>" streams one chunk, then nothing: requests
+    in flight when the engine is killed or stopped. It refuses, with
     vLLM's 400 and the value it got in the message, what vLLM refuses of
     the fields `_Request` names: a wrong type, `stream_options` without
     `stream`, a temperature that is not finite.
     /loraserve/v1/model answers `model_info` (404 without one)."""
     app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {}
 
     @app.get("/loraserve/v1/model")
     async def model():
@@ -144,13 +170,20 @@ def upstream_app(index: int, model_info: dict | None = None):
         usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
         choice = {"index": 0, "text": f"engine-{index}", "finish_reason": "length"}
         slow = body.get("prompt") == "slow"
+        hold = body.get("prompt") == f"hold-{index}"
         if not req.stream:
             if slow:
                 await asyncio.sleep(3)
+            if hold:
+                await asyncio.Event().wait()
             return {"model": body["model"], "choices": [choice], "usage": usage}
 
         async def events():
+            if hold:
+                await asyncio.Event().wait()
             yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+            if body.get("prompt") == f"hold-after-first-{index}":
+                await asyncio.Event().wait()
             if slow:
                 await asyncio.sleep(3)
             if body.get("prompt") == "break":
@@ -182,3 +215,50 @@ class UpstreamServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+class UpstreamProcess:
+    """`upstream_app` in its own process on a fixed port: `kill` (SIGKILL,
+    the OS resets its connections), `pause`/`resume` (SIGSTOP/SIGCONT: it
+    hangs with its connections open), `start` again on the same port."""
+
+    def __init__(self, index: int) -> None:
+        self.index, self.port = index, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.cluster.fakes",
+                                      str(self.index), str(self.port)], cwd=root)
+        deadline = time.monotonic() + 30
+        while True:
+            assert self.proc.poll() is None, "fake upstream process exited"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "fake upstream process did not start"
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.resume()
+            self.kill()
+
+
+if __name__ == "__main__":  # UpstreamProcess: python -m tests.cluster.fakes INDEX PORT
+    uvicorn.run(upstream_app(int(sys.argv[1])), host="127.0.0.1", port=int(sys.argv[2]),
+                log_level="critical")

@@ -269,3 +269,19 @@ def test_rebalance_follows_demand_and_unregister_unloads_everywhere():
         assert "a8-0" not in core.assignment
         assert all("a8-0" not in e.loaded for e in engines.values())
     asyncio.run(body())
+
+
+def test_down_signal_is_set_when_the_engine_leaves_routing_and_fresh_after_rejoin():
+    async def body():
+        core, engines, _ = make_core(restart_attempts=0)
+        await core.start()
+        down = core.down_signal(0)
+        assert not down.is_set()
+        engines[0].up = False
+        await core.check_now(0)
+        assert down.is_set() and core.down_reason[0] == "failed its health check"
+        assert core.down_signal(0).is_set()  # a request routed to it meanwhile: lost at once
+        engines[0].up = True
+        await core.check_now(0)
+        assert not core.down_signal(0).is_set() and 0 not in core.down_reason
+    asyncio.run(body())

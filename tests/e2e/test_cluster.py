@@ -240,3 +240,10 @@ def test_killed_engine_loses_no_adapter_and_rejoins_after_restart(cluster):
     results = asyncio.run(send(cluster.url, [(a, "welcome back") for a in names]))
     assert all(status == 200 for _, status, _ in results)
     assert {engine for _, _, engine in results} == {"0", "1"}
+    # each phase of the fault was timed, and nothing it held was left unplaced
+    *_, fault = httpx.get(f"{cluster.url}/admin/faults", timeout=30).json()["faults"]
+    assert fault["engine"] == 0 and fault["held"] and fault["unplaced"] == []
+    assert all(fault["replaced"][a] == [1] for a in fault["held"])
+    for phase in ("detection_s", "replacement_s", "first_served_s", "rejoin_s"):
+        assert fault[phase] is not None and fault[phase] >= 0, phase
+    assert fault["given_on_rejoin"]

@@ -13,10 +13,14 @@ table, demand, placement, migration, health.
   (its holders died, or loading failed) makes the least loaded live engine
   fetch it, from a peer over the transport or from the source, and routes
   there;
-- health: an engine that fails its check leaves routing, and its adapters are
-  placed again over the live engines (fetched from peers or the source); it
-  is restarted (`restart_attempts` times) and rejoins the placement once it
-  passes its check again.
+- health: an engine that fails its check leaves routing at once, requests in
+  flight on it are told (`down_signal`: the proxy retries them elsewhere if
+  nothing reached the client yet), and its adapters are placed again over
+  the live engines (fetched from peers, or the source for those only it
+  held); it is restarted (`restart_attempts` times) and rejoins the
+  placement once it passes its check again. A request that cannot reach an
+  engine counts as one failed check and checks it now. Each phase is timed
+  (cluster/faults.py).
 
 Invariants: routing only names engines in `holders` for that adapter (pairs
 are ensured before a switch and unloaded after one); every known adapter has
@@ -47,6 +51,7 @@ from vllm_loraserve.adapters.safety import alias_of, check_name, check_not_alias
 from vllm_loraserve.cluster import migration
 from vllm_loraserve.cluster.demand import DemandTracker
 from vllm_loraserve.cluster.engine import AdapterRejected
+from vllm_loraserve.cluster.faults import FaultLog
 from vllm_loraserve.cluster.placement import Assignment, get_policy
 from vllm_loraserve.cluster.placement.toppings import EngineView, ToppingsRouter
 from vllm_loraserve.cluster.routing import RoutingTable
@@ -135,6 +140,7 @@ class RouterCore:
                          if config.policy == "toppings" else None)
         self.demand = DemandTracker(config.rebalance_s or 60.0)
         self.metrics = RouterMetrics()
+        self.faults = FaultLog(self.metrics.registry)
         self.alive: set[int] = set()
         self.holders: dict[str, set[int]] = {a: set() for a in self.catalog}
         self.assignment: Assignment = {}
@@ -149,6 +155,9 @@ class RouterCore:
         self._background: set[asyncio.Task] = set()
         self._restarting: set[int] = set()
         self._failures: Counter[int] = Counter()
+        self._first_sign: dict[int, float] = {}  # engine -> first failure since it was ok
+        self._down: dict[int, asyncio.Event] = {}  # set when the engine leaves routing
+        self.down_reason: dict[int, str] = {}
         self._window_start = time.monotonic()
 
     # -- lifecycle ---------------------------------------------------------
@@ -313,6 +322,10 @@ class RouterCore:
             ok = False
         self.metrics.engine_up.labels(str(engine)).set(1 if ok else 0)
         self._failures[engine] = 0 if ok else self._failures[engine] + 1
+        if ok:
+            self._first_sign.pop(engine, None)
+        else:
+            self._first_sign.setdefault(engine, time.monotonic())
         if ok and engine not in self.alive:
             await self._engine_up(engine)
         elif (not ok and engine in self.alive
@@ -324,16 +337,37 @@ class RouterCore:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def down_signal(self, engine: int) -> asyncio.Event:
+        """Set when `engine` leaves routing (then `down_reason[engine]` says
+        why), and already set if it is out; a request in flight on it waits
+        on this too."""
+        if engine not in self.alive:  # left while the request was being routed
+            down = asyncio.Event()
+            down.set()
+            return down
+        return self._down.setdefault(engine, asyncio.Event())
+
     async def _engine_down(self, engine: int, why: str = "failed its health check") -> None:
+        if engine not in self.alive:
+            return  # another check got here first
+        # Out of routing before waiting for the lock: a placement being
+        # applied may hold it for long, and no new request may go there.
+        logger.error("engine %s %s: taken out of routing", engine, why)
+        self.alive.discard(engine)
+        self.down_reason[engine] = why
+        self._down.pop(engine, asyncio.Event()).set()
+        held = [a for a, hs in self.holders.items() if engine in hs]
+        fault = self.faults.down(engine, why, held, self._first_sign.pop(engine, None))
         async with self._placement_lock:
-            if engine not in self.alive:
-                return  # another check got here first
-            logger.error("engine %s %s: taken out of routing", engine, why)
-            self.alive.discard(engine)
             for holders in self.holders.values():
                 holders.discard(engine)
+            only_here = [a for a in held if not self.holders[a] & self.alive]
+            t0 = time.monotonic()
             if self.alive:
                 await self._apply(self._place(self.demand.estimate()))
+            self.faults.replaced(fault, time.monotonic() - t0,
+                                 {a: sorted(self.holders.get(a, set()) & self.alive)
+                                  for a in sorted(held) if a in self.catalog}, only_here)
         if self.config.restart_attempts and engine not in self._restarting:
             self._spawn(self._restart(engine))
 
@@ -362,10 +396,16 @@ class RouterCore:
                 return
             logger.info("engine %s is healthy: it joins the placement", engine)
             self.alive.add(engine)
+            self.down_reason.pop(engine, None)
+            fault = self.faults.up(engine)
             for holders in self.holders.values():  # a (re)started server holds nothing
                 holders.discard(engine)
+            t0 = time.monotonic()
             if self.assignment:
                 await self._apply(self._place(self.demand.estimate()))
+            if fault is not None:
+                self.faults.given(fault, time.monotonic() - t0,
+                                  [a for a, hs in self.holders.items() if engine in hs])
 
     # -- requests ------------------------------------------------------------
     def resolve(self, model: str) -> str:
@@ -439,6 +479,8 @@ class RouterCore:
                 del ranks[rank]
         if tokens and model in self.catalog:
             self.demand.record(model, tokens)
+        if status == "ok":
+            self.faults.served(model, engine)
         self.metrics.inflight.labels(str(engine)).set(self.inflight[engine])
         self.metrics.requests.labels(model, str(engine), status).inc()
 
@@ -458,7 +500,11 @@ class RouterCore:
             self._restarting.discard(engine)
 
     def suspect(self, engine: int) -> None:
-        """A request failed on `engine`: check its health now, not at the next tick."""
+        """A request could not reach `engine`: that counts as a failed check (so
+        one more failed check takes it down at once), and it is checked now,
+        not at the next tick. A request alone never takes an engine down."""
+        self._first_sign.setdefault(engine, time.monotonic())
+        self._failures[engine] = max(self._failures[engine], self.config.health_failures - 1)
         self._spawn(self._check(engine))
 
     # -- admin ---------------------------------------------------------------

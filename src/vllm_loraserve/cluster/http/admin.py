@@ -1,6 +1,7 @@
 """The router's admin routes: `/admin/status`, `/admin/adapters` (list,
 register, unregister), `/admin/placement` (read, override),
-`/admin/rebalance`, `/admin/engines/{i}/restart`.
+`/admin/rebalance`, `/admin/engines/{i}/restart`, `/admin/faults` (each
+engine fault and how long its phases took, cluster/faults.py).
 
 With an admin token, every route here needs `Authorization: Bearer <token>`
 (401 otherwise). A registered adapter must have a safe name whose alias is
@@ -103,6 +104,11 @@ async def _engine_model_info(state: RouterState) -> ModelLoRAInfo:
 @routes.get("/admin/status")
 async def status(state: State) -> dict:
     return state.core.status()
+
+
+@routes.get("/admin/faults")
+async def faults(state: State) -> dict:
+    return {"faults": [f.as_dict() for f in state.core.faults.faults]}
 
 
 @routes.get("/admin/adapters")

@@ -1,19 +1,26 @@
 """The router's public routes: the OpenAI API proxied to engines, `/health`,
 `/metrics`, and the adapter listing of a plugin server (`/loraserve/v1/adapters`).
 
-A request that fails before its first byte (engine down) is retried once on
-another engine that holds the adapter; a failure after that ends the stream
-with an error event, and other transport errors answer 502 (504 on a
-timeout). Every request counted in flight (`RouterCore.begin`) is released
-exactly once (`_Lease`), also when the client goes away mid-stream. Every
-response names its engine in `x-loraserve-engine`.
+A request whose engine cannot be reached, dies or leaves routing before
+anything of the answer went to the client (a whole non-streamed answer, or a
+stream's first line, is read before the client gets its status) is retried
+once on another engine that holds the adapter (fetched onto one if none
+does); if that fails too, or no other live engine can take it, it answers
+503 naming each engine and why. A failure after the first streamed line
+ends the stream with an error event (never retried: no output twice); a
+silent engine answers 504 after the upstream timeout. Every request counted
+in flight (`RouterCore.begin`) is released exactly once (`_Lease`), also
+when the client goes away mid-stream. Every response names its engine in
+`x-loraserve-engine`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 from fastapi import APIRouter, Request
@@ -25,6 +32,8 @@ from vllm_loraserve.cluster.http.state import RouterState, State, error
 from vllm_loraserve.cluster.router import RouterCore
 
 _RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
+_MAX_ENGINES = 2  # engines one request is tried on
+T = TypeVar("T")
 
 routes = APIRouter()
 
@@ -48,16 +57,27 @@ class _Lease:
 class _RelayResponse(StreamingResponse):
     """Releases the lease and the upstream connection however the response
     ends: Starlette cancels a stream whose client left, possibly before its
-    generator ever ran (whose `finally` then never runs)."""
+    generator ever ran (whose `finally` then never runs). If the engine
+    leaves routing meanwhile, closes the upstream connection: the relay's
+    read fails at once (a hung engine's stream would wait for the upstream
+    timeout)."""
 
-    def __init__(self, content, lease: _Lease, upstream: httpx.Response, **kw) -> None:
+    def __init__(self, content, lease: _Lease, upstream: httpx.Response,
+                 down: asyncio.Event, **kw) -> None:
         super().__init__(content, **kw)
-        self._lease, self._upstream = lease, upstream
+        self._lease, self._upstream, self._down = lease, upstream, down
+
+    async def _close_when_down(self) -> None:
+        await self._down.wait()
+        await self._upstream.aclose()
 
     async def __call__(self, scope, receive, send) -> None:
+        # one waiting task per stream, not one race per line (~45 us a line)
+        watcher = asyncio.create_task(self._close_when_down())
         try:
             await super().__call__(scope, receive, send)
         finally:
+            watcher.cancel()
             self._lease.release("cancelled")
             await self._upstream.aclose()
 
@@ -139,25 +159,20 @@ async def _proxy(state: RouterState, path: str, request: Request) -> Response:
                      "BadRequestError", "model")
     if model != core.base_model and model not in core.catalog:
         return error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-    tried: set[int] = set()
+    tried: dict[int, str] = {}  # engine -> why the request failed there
     while True:
         engine = await core.acquire(model, tried)
         if engine is None:
-            return error(503, f"no live engine can serve `{model}` right now",
-                         "ServiceUnavailable")
-        url = f"{core.engines[engine].url}{path}"
+            return _unavailable(model, tried)
         lease = _Lease(core, model, engine, core.begin(model, engine))
-        request_out = state.client.build_request(
-            "POST", url, content=content, headers={"content-type": "application/json"})
+        down = core.down_signal(engine)
         try:
-            upstream = await state.client.send(request_out, stream=True)
-        except _RETRYABLE:
+            answer = await _start(state, engine, path, content, down)
+        except _EngineLost as e:  # nothing reached the client: another engine may answer
             lease.release("retried")
-            core.suspect(engine)
-            tried.add(engine)
-            if len(tried) >= 2:
-                return error(503, f"engines {sorted(tried)} failed to answer",
-                             "ServiceUnavailable")
+            tried[engine] = str(e)
+            if len(tried) >= _MAX_ENGINES:
+                return _unavailable(model, tried)
             core.metrics.retries.inc()
             continue
         except httpx.HTTPError as e:
@@ -167,52 +182,132 @@ async def _proxy(state: RouterState, path: str, request: Request) -> Response:
             lease.release("cancelled")
             raise
         headers = {"x-loraserve-engine": str(engine)}
-        # The engine decides whether it streams (it reads `stream` its own way).
-        if (upstream.status_code == 200
-                and upstream.headers.get("content-type", "").startswith("text/event-stream")):
-            return _RelayResponse(_relay(core, upstream, lease, bool(forward_usage)), lease,
-                                  upstream, media_type="text/event-stream", headers=headers)
-        try:
-            answer = await upstream.aread()
-        except httpx.HTTPError as e:
-            lease.release("failed")
-            return _transport_error(engine, e)
-        except BaseException:
-            lease.release("cancelled")
-            raise
-        finally:
-            await upstream.aclose()
+        upstream = answer.upstream
+        if answer.lines is not None:
+            return _RelayResponse(_relay(core, answer, lease, bool(forward_usage), down), lease,
+                                  upstream, down, media_type="text/event-stream",
+                                  headers=headers)
         status = "ok" if upstream.status_code == 200 else f"http_{upstream.status_code}"
         try:
-            payload = json.loads(answer)
+            payload = json.loads(answer.body)
         except ValueError:  # not JSON, or not even UTF-8
             lease.release(status)
-            r = error(upstream.status_code, answer.decode(errors="replace")[:500], "EngineError")
+            r = error(upstream.status_code, answer.body.decode(errors="replace")[:500],
+                      "EngineError")
             r.headers.update(headers)
             return r
         lease.release(status, _usage_tokens(payload))
-        return Response(answer, status_code=upstream.status_code, headers=headers,
+        return Response(answer.body, status_code=upstream.status_code, headers=headers,
                         media_type="application/json")
 
 
-async def _relay(core: RouterCore, upstream: httpx.Response, lease: _Lease,
-                 forward_usage: bool) -> AsyncIterator[bytes]:
-    tokens, status = 0, "cancelled"  # unless the loop ends or fails
+class _EngineLost(Exception):
+    """The engine could not be reached, or left routing, before anything of
+    its answer went to the client."""
+
+
+@dataclass
+class _Answer:
+    upstream: httpx.Response
+    body: bytes = b""  # the whole answer, when the engine does not stream
+    lines: AsyncIterator[str] | None = None  # streamed: the lines after `first`
+    first: str | None = None  # streamed: the first line (None: an empty stream)
+
+
+async def _unless_down(aw: Awaitable[T], down: asyncio.Event, core: RouterCore,
+                          engine: int) -> T:
+    """`aw`'s result, or _EngineLost as soon as `engine` leaves routing (an
+    engine that hangs without closing its connections fails its health
+    checks: its requests end then, not at the upstream timeout)."""
+    if not down.is_set():
+        task = asyncio.ensure_future(aw)
+        waiter = asyncio.ensure_future(down.wait())
+        try:
+            await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            if not task.done():
+                task.cancel()
+        if task.done() and not task.cancelled():
+            return task.result()
+    raise _EngineLost(f"engine {engine} left routing "
+                      f"({core.down_reason.get(engine, 'failed its health check')})")
+
+
+async def _start(state: RouterState, engine: int, path: str, content: bytes,
+                 down: asyncio.Event) -> _Answer:
+    """Send the request, and read until something can go to the client: the
+    whole answer, or a stream's first line (so a stream too can be retried
+    until then). The engine decides whether it streams (it reads `stream`
+    its own way)."""
+    core = state.core
+    request = state.client.build_request("POST", f"{core.engines[engine].url}{path}",
+                                         content=content,
+                                         headers={"content-type": "application/json"})
+    upstream = None
     try:
-        async for line in upstream.aiter_lines():
+        upstream = await _unless_down(state.client.send(request, stream=True), down, core,
+                                      engine)
+        if (upstream.status_code == 200
+                and upstream.headers.get("content-type", "").startswith("text/event-stream")):
+            lines = upstream.aiter_lines()
+            first = await _unless_down(anext(lines, None), down, core, engine)
+            return _Answer(upstream, lines=lines, first=first)
+        try:
+            return _Answer(upstream, body=await _unless_down(upstream.aread(), down, core,
+                                                             engine))
+        finally:
+            await upstream.aclose()
+    except BaseException as e:
+        if upstream is not None:
+            await upstream.aclose()
+        if isinstance(e, _RETRYABLE):
+            core.suspect(engine)
+            raise _EngineLost(f"engine {engine} failed: {type(e).__name__}: {e}") from e
+        raise
+
+
+def _unavailable(model: str, tried: dict[int, str]) -> JSONResponse:
+    """503: no live engine could take the request; names each engine tried and why."""
+    if not tried:
+        return error(503, f"no live engine can serve `{model}` right now", "ServiceUnavailable")
+    why = "; ".join(tried.values())
+    more = "" if len(tried) >= _MAX_ENGINES else "; no other live engine can serve it"
+    r = error(503, f"`{model}` could not be served: {why}{more}", "ServiceUnavailable")
+    r.headers["x-loraserve-engine"] = str(list(tried)[-1])
+    return r
+
+
+async def _relay(core: RouterCore, answer: _Answer, lease: _Lease, forward_usage: bool,
+                 down: asyncio.Event) -> AsyncIterator[bytes]:
+    """Relay a stream from its first line. A failure from here on ends it
+    with an error event: part of the answer reached the client, so it is
+    never retried (no output twice). An engine leaving routing closes the
+    upstream (`_RelayResponse`), which ends the loop here."""
+    tokens, status = 0, "cancelled"  # unless the loop ends or fails
+    engine = lease.engine
+    try:
+        line = answer.first
+        while line is not None:
             if line.startswith("data: {") and '"usage"' in line:
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     tokens = _usage_tokens(chunk)
                     if not chunk.get("choices") and not forward_usage:
+                        line = await anext(answer.lines, None)
                         continue
             yield (line + "\n").encode()
+            line = await anext(answer.lines, None)
         status = "ok"
     except httpx.HTTPError as e:
         status = "failed"
-        core.suspect(lease.engine)
-        err = {"error": {"message": f"engine {lease.engine} failed during the response: "
-                                    f"{type(e).__name__}: {e}",
+        if down.is_set():
+            why = (f"engine {engine} left routing "
+                   f"({core.down_reason.get(engine, 'failed its health check')})")
+        else:
+            core.suspect(engine)
+            why = f"{type(e).__name__}: {e}"
+        err = {"error": {"message": f"engine {engine} failed during the response: {why}",
                          "type": "EngineFailure", "param": None, "code": 502}}
         yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
     finally:
