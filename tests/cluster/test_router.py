@@ -79,6 +79,13 @@ def test_moved_adapter_comes_from_a_peer_and_unloads_only_after_draining():
         assert a not in engines[src].loaded and a not in engines[src].stored
         assert world.index((dst, "load", a)) < world.index((src, "unload", a))
         check_invariants(core, engines)
+        # the fakes move 1 byte a fetch: bytes moved are counted per source
+        sample = core.metrics.registry.get_sample_value
+        fetches = Counter(w[3][:4] for w in world if w[1] == "fetch")
+        assert fetches["peer"] >= 1 and fetches["regi"] == len(CATALOG)
+        assert sample("loraserve_router_fetch_bytes_total", {"source": "peer"}) == fetches["peer"]
+        assert sample("loraserve_router_fetch_bytes_total",
+                      {"source": "registry"}) == fetches["regi"]
     asyncio.run(body())
 
 

@@ -112,6 +112,8 @@ class RouterMetrics:
                                       "(adapter, engine) pairs added by placement.", registry=r)
         self.fetches = PromCounter("loraserve_router_fetches", "Adapter fetches by source "
                                    "(peer engine or registry).", ["source"], registry=r)
+        self.fetch_bytes = PromCounter("loraserve_router_fetch_bytes", "Adapter bytes "
+                                       "fetched, by source.", ["source"], registry=r)
         self.fetch_seconds = Histogram("loraserve_router_fetch_seconds", "Adapter fetch "
                                        "latency.", ["source"], registry=r,
                                        buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
@@ -277,6 +279,7 @@ class RouterCore:
             source = "registry"
             info = await handle.fetch_from_source(adapter)
         self.metrics.fetches.labels(source).inc()
+        self.metrics.fetch_bytes.labels(source).inc(info["bytes"])
         self.metrics.fetch_seconds.labels(source).observe(info["seconds"])
         await handle.load(adapter)
         self.holders[adapter].add(engine)
