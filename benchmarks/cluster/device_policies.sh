@@ -9,7 +9,8 @@
 # machine with VLLM_BUNDLE_EXTRA naming ray and the ray dependencies the
 # image lacks; docs/benchmarks/cluster-gpu.md). Send the parts in back-to-back
 # calls, each with this command and carry [".devbundle/pK"]: a call whose part
-# is not the last only stashes it and exits 0. The call that completes the
+# is not the last only stashes it and exits 0. BUNDLE_DIR (default .devbundle)
+# names the folder of the parts, e.g. .devbundle-cluster (ray and nixl, 3 parts). The call that completes the
 # bundle runs the experiment. A later call on the still-warm machine needs no
 # part (the unpacked bundle is reused); on a fresh machine, start from p1.
 #
@@ -26,7 +27,7 @@ start=$(date +%s)
 command -v nvidia-smi >/dev/null || { echo "not a GPU machine: run this through device" >&2; exit 2; }
 vb=${VLLM_VB:-/root/vb}
 ready=0 carried=0
-for install in .devbundle/p*/vllm_install.sh; do
+for install in "${BUNDLE_DIR:-.devbundle}"/p*/vllm_install.sh; do
   [ -f "$install" ] || continue
   carried=1
   log=$(bash "$install" 2>&1); echo "$log" | tail -2
