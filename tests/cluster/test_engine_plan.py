@@ -155,3 +155,4 @@ def test_cluster_up_refuses_a_layout_before_starting_anything(tmp_path, monkeypa
     assert str(e.value) == ("loraserve cluster up: 2 engines at 1 per GPU need 2 GPUs, but 1 "
                             "is visible: pass --engines-per-gpu 2 or --engines 1")
     assert ("ray" in sys.modules) == ray_before  # Ray was not even imported
+    assert "stopping" not in capsys.readouterr().out  # nothing started, nothing to stop

@@ -283,6 +283,7 @@ class Cluster:
 
         if not ray.is_initialized():
             return
+        print("stopping the router, the engines and Ray ...", flush=True)
         try:
             if self.router is not None:
                 ray.get(self.router.stop.remote(), timeout=30)
@@ -303,6 +304,5 @@ def up(spec: ClusterSpec) -> None:
               "Ctrl-C stops the cluster", flush=True)
         done.wait()
     finally:
-        print("stopping the router, the engines and Ray ...", flush=True)
         cluster.stop()
 
