@@ -16,6 +16,14 @@ process.
         --baseline /tmp/old_mbgmm.py --out r.json
     python benchmarks/kernels/engine_grid.py --shape llama3-8b --targets all-linear \\
         --sweep --out sweep.json     # coordinate search over tiles, per module kind
+    python benchmarks/kernels/engine_grid.py --shape llama3-8b --targets all-linear \\
+        --tokens 1024,2048 --prefill-chunks 2 --rules split,all64,all16 --out rules.json
+
+`--prefill-chunks N` puts N prefill chunks of `--chunk-tokens` tokens, each
+of one adapter, in every step beside its power-law decode tokens, as an
+engine step with chunked prefill holds them. `--rules` times the current
+kernels under each way the pool cuts inputs above SMALL_BATCH rows into
+work blocks (worker/pool.py LARGE_RULES).
 
 Needs torch and triton on a CUDA device; vLLM is not used.
 """
@@ -60,16 +68,19 @@ def slices_of(shape: dict, kinds: tuple[str, ...]) -> tuple[SliceSpec, ...]:
     return tuple(SliceSpec(n, *dims[n]) for k in kinds for n in MODULES[k])
 
 
-def build(shape: dict, kinds: tuple[str, ...], mix: str, tokens: int,
-          dev: torch.device) -> tuple[DevicePool, int, int]:
+def build(shape: dict, kinds: tuple[str, ...], mix: str, tokens: int, dev: torch.device,
+          rule: str = "split", chunks: int = 0,
+          chunk_tokens: int = 256) -> tuple[DevicePool, int, int]:
     """A bound pool holding the mix's adapters, its step set to `tokens`
-    tokens; the bytes of A and B (all layers) of the step's distinct
-    adapters (what its kernels must read at least once); their number."""
+    tokens (`chunks` of them prefill chunks of `chunk_tokens` tokens); the
+    bytes of A and B (all layers) of the step's distinct adapters (what its
+    kernels must read at least once); their number."""
     slices = slices_of(shape, kinds)
     n = MIXES[mix]
     ranks = (8,) if mix == "single-r8" else shape["ranks"]
     max_rank = max(shape["ranks"])
-    pool = DevicePool(slices, LAYERS, max_rank, tokens, 4096, 3, "triton", dev)
+    pool = DevicePool(slices, LAYERS, max_rank, tokens, 4096, 3, "triton", dev,
+                      large_rule=rule)
     layout = LayerLayout(slices, shape["page"])
     names = [s.name for s in slices]
     placements = [layout.place(ranks[i % len(ranks)], names) for i in range(n)]
@@ -90,7 +101,13 @@ def build(shape: dict, kinds: tuple[str, ...], mix: str, tokens: int,
         pool.load(i, i + 1, p, ids, stream.expand(LAYERS, -1).contiguous())
     rng = np.random.default_rng(0)
     w = 1.0 / np.arange(1, n + 1)
-    ids = rng.choice(np.arange(1, n + 1), size=tokens, p=w / w.sum())
+    decode = tokens - chunks * chunk_tokens
+    if decode < 0:
+        raise SystemExit(f"{chunks} chunks of {chunk_tokens} tokens exceed {tokens} tokens")
+    ids = rng.choice(np.arange(1, n + 1), size=decode, p=w / w.sum())
+    # Each chunk's adapter drawn the same way; its tokens are consecutive rows.
+    chunk_ids = rng.choice(np.arange(1, n + 1), size=chunks, p=w / w.sum())
+    ids = np.concatenate([np.repeat(chunk_ids, chunk_tokens), ids]).astype(np.int64)
     pool.set_tokens(ids, set())
     step_bytes = sum(layout.weight_elements(placements[i - 1]) for i in set(ids.tolist()))
     return pool, step_bytes * 2 * LAYERS, len(set(ids.tolist()))
@@ -144,13 +161,16 @@ def load_module(path: str, name: str):
 # the default expand), then expand (with the best shrink).
 SHRINK_AXES = dict(block_n=(16, 32, 64, 128), block_k=(64, 128, 256),
                    split_k=(1, 2, 4, 8, 16), num_warps=(4, 8), num_stages=(2, 3, 4))
-EXPAND_AXES = dict(block_n=(32, 64, 128, 256), block_k=(16, 32, 128), group=(1, 2, 4, 8, 16),
+EXPAND_AXES = dict(block_n=(32, 64, 128, 256), block_k=(16, 32, 128),
                    num_warps=(4, 8), num_stages=(2, 3, 4))
 
 
 def sweep(pool, kind, tokens, dev, mbgmm, log) -> dict:
     """Coordinate descent over each axis in turn, once, from the defaults."""
-    probe = pool._batch(tokens)
+    batches = pool._batches_for(tokens)
+    if len(batches) != 1:
+        raise SystemExit("the sweep times one batching: name one rule (--rules all16 or all64)")
+    probe = batches[0]
     m = ModuleSlices.of(pool.layout, MODULES[kind])
     best = {"shrink": mbgmm.shrink_tiles(probe, m.in_features),
             "expand": mbgmm.expand_tiles(probe, max(m.out_features))}
@@ -192,9 +212,12 @@ def main() -> None:
     ap.add_argument("--baseline", help="a triton_mbgmm.py to compare with")
     ap.add_argument("--sweep", action="store_true",
                     help="search tiles per module kind, mix and token count")
-    ap.add_argument("--also-bm16", action="store_true",
-                    help="also time the current kernels with 16-token work blocks at every "
-                         "token count (worker/pool.py SMALL_BATCH raised)")
+    ap.add_argument("--rules", default="split",
+                    help="comma-separated worker/pool.py LARGE_RULES to time the current "
+                         "kernels under (inputs above SMALL_BATCH rows); the first one is "
+                         "the sweep's and the baseline's")
+    ap.add_argument("--prefill-chunks", type=int, default=0)
+    ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from vllm_loraserve.kernels import triton_mbgmm as mbgmm
@@ -205,36 +228,39 @@ def main() -> None:
     peak = copy_tb_s(dev)
     print(f"copy: {peak:.2f} TB/s", flush=True)
     old = load_module(a.baseline, "baseline_mbgmm") if a.baseline else None
-    if a.sweep and a.also_bm16:  # sweep the 16-token blocks at every token count
-        pool_mod.SMALL_BATCH = 1 << 30
+    rules = a.rules.split(",")
+    unknown = set(rules) - set(pool_mod.LARGE_RULES)
+    if unknown:
+        raise SystemExit(f"unknown rules {sorted(unknown)}: {sorted(pool_mod.LARGE_RULES)}")
+    # (name, backend, rule): the baseline kernels under the first rule, then
+    # the current kernels under each rule.
+    variants = [("baseline", old.TritonBackend(), rules[0])] if old is not None else []
+    variants += [(rule if len(rules) > 1 else "new", mbgmm.TritonBackend(), rule)
+                 for rule in rules]
+    names = [name for name, _, _ in variants]
     rows = []
     for mix in a.mixes.split(","):
         for t in (int(v) for v in a.tokens.split(",")):
-            pool, step_bytes, distinct = build(shape, kinds, mix, t, dev)
-            row = dict(mix=mix, tokens=t, distinct=distinct,
+            pools = {}
+            for rule in dict.fromkeys(rules):
+                pools[rule], step_bytes, distinct = build(shape, kinds, mix, t, dev, rule,
+                                                          a.prefill_chunks, a.chunk_tokens)
+            row = dict(mix=mix, tokens=t, distinct=distinct, prefill_chunks=a.prefill_chunks,
+                       chunk_tokens=a.chunk_tokens,
                        mb_per_layer=round(step_bytes / LAYERS / 1e6, 2))
             for kind in kinds:
                 if a.sweep:
-                    row[kind] = sweep(pool, kind, t, dev, mbgmm, print)
+                    row[kind] = sweep(pools[rules[0]], kind, t, dev, mbgmm, print)
                     continue
-                variants = [("new", mbgmm.TritonBackend(), pool_mod.SMALL_BATCH)]
-                if old is not None:
-                    variants.insert(0, ("baseline", old.TritonBackend(), pool_mod.SMALL_BATCH))
-                if a.also_bm16:
-                    variants.append(("bm16", mbgmm.TritonBackend(), 1 << 30))
                 ys = {}
-                default_small = pool_mod.SMALL_BATCH
-                for name, backend, small in variants:
-                    pool.backend, pool_mod.SMALL_BATCH = backend, small
-                    row[f"{kind}_{name}_us"], ys[name] = time_module(pool, kind, t, dev)
-                pool_mod.SMALL_BATCH = default_small
-                if old is not None:
-                    row[f"{kind}_max_abs_diff"] = (ys["new"].float()
-                                                   - ys["baseline"].float()).abs().max().item()
+                for name, backend, rule in variants:
+                    pools[rule].backend = backend
+                    row[f"{kind}_{name}_us"], ys[name] = time_module(pools[rule], kind, t, dev)
+                for name in names[1:]:
+                    row[f"{kind}_{name}_max_abs_diff"] = (
+                        ys[name].float() - ys[names[0]].float()).abs().max().item()
             per_kind = ({"sweep": [row[k]["us"] for k in kinds]} if a.sweep else
-                        {name: [row[f"{k}_{name}_us"] for k in kinds]
-                         for name in ("baseline", "new", "bm16")
-                         if f"{kinds[0]}_{name}_us" in row})
+                        {name: [row[f"{k}_{name}_us"] for k in kinds] for name in names})
             for name, times in per_kind.items():
                 us = sum(times)
                 row[f"{name}_layer_us"] = round(us, 2)
@@ -242,11 +268,11 @@ def main() -> None:
                 row[f"{name}_pct_copy"] = round(100 * row[f"{name}_tb_s"] / peak, 1)
             print(json.dumps(row), flush=True)
             rows.append(row)
-            del pool
+            del pools
             torch.cuda.empty_cache()
     json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": triton.__version__, "shape": a.shape, "targets": a.targets,
-               "layers": LAYERS, "copy_tb_s": round(peak, 3), "rows": rows},
+               "rules": rules, "layers": LAYERS, "copy_tb_s": round(peak, 3), "rows": rows},
               open(a.out, "w"), indent=1)
 
 

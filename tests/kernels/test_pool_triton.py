@@ -82,3 +82,56 @@ def test_triton_page_writer_refuses_streams_of_another_shape():
     write = get_backend("triton").page_writer(pages)
     with pytest.raises(ValueError, match="do not hold 2 pages"):
         write(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(2, 1024))
+
+
+@pytest.mark.parametrize("rule", sorted(pool_mod.LARGE_RULES))
+def test_large_batch_rules_match_torch_pool(monkeypatch, rule):
+    """Above SMALL_BATCH rows, every rule gives the torch pool's result. The
+    step holds a prefill chunk of one adapter (20 tokens >= TALL: 64-token
+    blocks under "split") and a few decode tokens of another (16-token
+    blocks), interleaved, plus padding rows without an adapter."""
+    monkeypatch.setattr(pool_mod, "SMALL_BATCH", 4)
+    a = adapter(8, ("q_proj", "k_proj", "v_proj", "down_proj"), 0)
+    b = adapter(32, ("q_proj", "v_proj", "o_proj"), 1)
+    tokens = np.array([12] * 10 + [11, 0, 11] + [12] * 10 + [11])
+    assert (tokens == 12).sum() >= pool_mod.TALL > (tokens == 11).sum()
+    x = torch.randn(len(tokens) + 3, 64, generator=torch.Generator().manual_seed(2))
+    y0 = torch.randn(len(tokens) + 3, 64 + 2 * 32, generator=torch.Generator().manual_seed(3))
+    outs = []
+    for backend in ("torch", "triton"):
+        kv = [torch.randn(KV_SHAPE, generator=torch.Generator().manual_seed(9))
+              for _ in range(LAYERS)]
+        layout = model_layout(CFG, 1024)
+        p = DevicePool(layout.slices, LAYERS, max_rank=32, max_tokens=64, max_slots=8,
+                       max_slices=3, backend=backend, device=torch.device("cpu"),
+                       large_rule=rule if backend == "triton" else "all64")
+        p.bind(kv)
+        p.load(3, 11, a[0], tuple(range(5, 5 + a[0].num_pages)), a[1])
+        p.load(0, 12, b[0], tuple(range(20, 20 + b[0].num_pages)), b[1])
+        p.set_tokens(tokens, ignored_ids=set())
+        assert len(p._batches_for(len(x))) == len(pool_mod.LARGE_RULES[p.large_rule])
+        y = y0.clone()
+        p.add_lora(1, ModuleSlices.of(p.layout, ("q_proj", "k_proj", "v_proj")), x, y)
+        outs.append(y)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    assert torch.equal(outs[1][len(tokens):], y0[len(tokens):])
+    assert torch.equal(outs[1][11], y0[11])  # the token without an adapter
+
+
+def test_split_token_sets_partition_the_adapter_tokens():
+    """"short" and "tall" are disjoint and together hold exactly the tokens
+    with an adapter; an adapter is tall from TALL tokens on."""
+    tall = pool_mod.TALL
+    slots = np.array([2] * tall + [5] * (tall - 1) + [-1, 7, -1])
+    short = DevicePool._token_set("short", slots)
+    tall_set = DevicePool._token_set("tall", slots)
+    assert ((short >= 0) & (tall_set >= 0)).sum() == 0
+    assert np.array_equal(np.maximum(short, tall_set), slots)
+    assert set(tall_set[tall_set >= 0].tolist()) == {2}
+    assert set(short[short >= 0].tolist()) == {5, 7}
+
+
+def test_unknown_large_rule_is_refused():
+    with pytest.raises(ValueError, match="unknown large-batch rule"):
+        DevicePool(model_layout(CFG, 1024).slices, LAYERS, 32, 64, 8, 3, "torch",
+                   torch.device("cpu"), large_rule="all32")

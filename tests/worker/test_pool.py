@@ -125,7 +125,7 @@ def test_a_scheduled_adapter_without_pages_is_an_error_not_a_silent_base_run():
     with pytest.raises(RuntimeError, match=r"adapters \[9\] are scheduled but not resident"):
         pool.set_tokens(np.array([0, 9]), ignored_ids=set())
     pool.set_tokens(np.array([0, 9]), ignored_ids={9})
-    assert pool.active and pool._batch(2).num_blocks == 0  # kernels launch, do nothing
+    assert pool.active and [b.num_blocks for b in pool._batches_for(2)] == [0]  # launch, no work
 
 
 def test_evicted_slot_is_gone_and_reused():

@@ -11,10 +11,15 @@
 Every tensor the kernels read is allocated once and changed in place, so a
 CUDA graph captured with any batch replays correctly with a later one: the
 kernels' grids depend only on the number of tokens, and programs past the
-step's real work blocks (read on the device) return at once. Two token
-batchings are kept, 16 tokens per work block for small batches (decode:
-MBGMV) and 64 for large ones (prefill: MBGMM); the choice depends on the
-token count only, so it is the same at capture and at replay.
+step's real work blocks (read on the device) return at once. A layer input
+of at most `SMALL_BATCH` rows runs in 16-token work blocks (decode: MBGMV).
+A larger one is cut per adapter (`LARGE_RULES["split"]`): an adapter with a
+prefill chunk in the step (`TALL` tokens or more) in 64-token blocks
+(MBGMM), every other adapter in 16-token blocks, as two launches each of
+shrink and expand. One height for all would either re-read a chunk's
+adapter once per 16 tokens or run mostly empty 64-row tiles for the decode
+tokens. Which batchings a layer launches depends on its row count only, so
+it is the same at capture and at replay.
 
 Invariant: a token's adapter id maps to a slot only if that adapter's pages
 were written in this or an earlier step; a real adapter id without a slot is
@@ -32,7 +37,17 @@ from vllm_loraserve.kernels import SlotTable, get_backend
 from vllm_loraserve.kernels.batch import ModuleSlices, TokenBatch, TokenBatchBuffers
 from vllm_loraserve.paging.layout import AdapterPlacement, LayerLayout, SliceSpec
 
-SMALL_BATCH = 512  # tokens; at most this many use 16-token work blocks
+SMALL_BATCH = 512  # rows; a layer input of at most this many uses 16-token work blocks
+TALL = 16  # tokens of one adapter in a step from which it gets 64-token blocks (split)
+# The batchings of a layer input above SMALL_BATCH rows, by rule: each a
+# (token set, block height). "split" serves; the others are the A/B of
+# benchmarks/kernels/engine_grid.py (--rules).
+LARGE_RULES: dict[str, tuple[tuple[str, int], ...]] = {
+    "split": (("short", 16), ("tall", 64)),
+    "all64": (("all", 64),),
+    "all16": (("all", 16),),
+}
+SMALL = ("all", 16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +79,7 @@ class DevicePool:
 
     def __init__(self, slices: tuple[SliceSpec, ...], num_layers: int, max_rank: int,
                  max_tokens: int, max_slots: int, max_slices: int, backend: str,
-                 device: torch.device) -> None:
+                 device: torch.device, large_rule: str = "split") -> None:
         self.slices, self.num_layers, self.max_rank = slices, num_layers, max_rank
         self.device, self.max_slots = device, max_slots
         self.backend = get_backend(backend)
@@ -72,9 +87,12 @@ class DevicePool:
         self.table: SlotTable | None = None
         self.h = torch.zeros(max_slices, max_tokens, max_rank, dtype=torch.float32,
                              device=device)
-        self._buffers = {bm: TokenBatchBuffers(max_tokens, max_slots, bm, device)
-                         for bm in (16, 64)}
-        self._batches: dict[int, TokenBatch] = {}
+        if large_rule not in LARGE_RULES:
+            raise ValueError(f"unknown large-batch rule {large_rule!r}: {sorted(LARGE_RULES)}")
+        self.large_rule = large_rule
+        self._buffers = {key: TokenBatchBuffers(max_tokens, max_slots, key[1], device)
+                         for key in {SMALL, *LARGE_RULES[large_rule]}}
+        self._batches: dict[tuple[str, int], TokenBatch] = {}
         self.active = False  # the step has LoRA requests (warm-up dummies count)
         self.pages: list[torch.Tensor] | None = None
         self.slots: dict[int, _Resident] = {}
@@ -101,10 +119,11 @@ class DevicePool:
         # no blocks: nothing is computed. No step has filled them yet.
         for buffers in self._buffers.values():
             buffers.num_blocks.zero_()
-        shapes = sorted({self._shape(t) for t in range(1, self.h.shape[1] + 1)})
-        batches = [TokenBatch(1, self._buffers[bm].sorted_tokens,
-                              self._buffers[bm].blocks[:bound], self._buffers[bm].num_blocks,
-                              0, bm) for bm, bound in shapes]
+        shapes = sorted({shape for t in range(1, self.h.shape[1] + 1)
+                         for shape in self._plan(t)})
+        batches = [TokenBatch(1, self._buffers[key].sorted_tokens,
+                              self._buffers[key].blocks[:bound], self._buffers[key].num_blocks,
+                              0, key[1]) for key, bound in shapes]
         variants, dtype = 1, self.pages[0].dtype  # activations too (the scheduler checks)
         for module in sorted(modules, key=lambda m: m.first):
             x = torch.zeros(1, module.in_features, dtype=dtype, device=self.device)
@@ -181,23 +200,37 @@ class DevicePool:
             self.adapter_steps += 1
             self.adapter_step_adapters += len(used)
         token_slots = np.where(ids > 0, lut[np.maximum(ids, 0)], -1)
-        self._batches = {bm: buf.fill(token_slots) for bm, buf in self._buffers.items()}
+        self._batches = {key: buf.fill(self._token_set(key[0], token_slots))
+                         for key, buf in self._buffers.items()}
 
-    def _shape(self, num_tokens: int) -> tuple[int, int]:
-        """(tokens per work block, most blocks) of a layer input of
-        `num_tokens` rows: what the kernels' launch depends on."""
-        bm = 16 if num_tokens <= SMALL_BATCH else 64
-        return bm, -(-num_tokens // bm) + min(num_tokens, self.max_slots)
+    @staticmethod
+    def _token_set(name: str, token_slots: np.ndarray) -> np.ndarray:
+        """`token_slots` with the tokens outside set `name` as -1 (no block)."""
+        if name == "all":
+            return token_slots
+        counts = np.bincount(token_slots[token_slots >= 0], minlength=1)
+        per_token = counts[np.maximum(token_slots, 0)]
+        keep = (per_token >= TALL) if name == "tall" else (per_token < TALL)
+        return np.where((token_slots >= 0) & keep, token_slots, -1)
 
-    def _batch(self, num_tokens: int) -> TokenBatch:
-        """The step's batch for a layer input of `num_tokens` rows (padded
-        for a CUDA graph, possibly): grid bounded by that count alone."""
-        bm, bound = self._shape(num_tokens)
-        batch = self._batches[bm]
-        if batch.blocks.shape[0] != bound:
-            batch = self._batches[bm] = dataclasses.replace(
-                batch, blocks=self._buffers[bm].blocks[:bound])
-        return batch
+    def _plan(self, num_tokens: int) -> tuple[tuple[tuple[str, int], int], ...]:
+        """The batchings a layer input of `num_tokens` rows launches, each
+        as (buffer key, most blocks): what the kernels' launches depend on."""
+        keys = (SMALL,) if num_tokens <= SMALL_BATCH else LARGE_RULES[self.large_rule]
+        return tuple((key, -(-num_tokens // key[1]) + min(num_tokens, self.max_slots))
+                     for key in keys)
+
+    def _batches_for(self, num_tokens: int) -> list[TokenBatch]:
+        """The step's batches for a layer input of `num_tokens` rows (padded
+        for a CUDA graph, possibly): grids bounded by that count alone."""
+        out = []
+        for key, bound in self._plan(num_tokens):
+            batch = self._batches[key]
+            if batch.blocks.shape[0] != bound:
+                batch = self._batches[key] = dataclasses.replace(
+                    batch, blocks=self._buffers[key].blocks[:bound])
+            out.append(batch)
+        return out
 
     def add_lora(self, layer: int, module: ModuleSlices, x: torch.Tensor,
                  y: torch.Tensor) -> None:
@@ -206,8 +239,10 @@ class DevicePool:
         its contents, so a graph captured with warm-up adapters replays them."""
         if not self.active or self.pages is None:
             return
-        batch = self._batch(x.shape[0])
         h = self.h[:module.count, :x.shape[0]]
         pool = self.pages[layer]
-        self.backend.shrink(x, pool, h, batch, self.table, module, self.layout)
-        self.backend.expand(h, pool, y, batch, self.table, module, self.layout)
+        # The batchings hold disjoint tokens. Each expand runs before the next
+        # shrink: a split-K shrink zeroes all of h first.
+        for batch in self._batches_for(x.shape[0]):
+            self.backend.shrink(x, pool, h, batch, self.table, module, self.layout)
+            self.backend.expand(h, pool, y, batch, self.table, module, self.layout)
