@@ -21,7 +21,7 @@ def backends():
     small_grad = lambda batch: GradTiles(block_m=16, block_r=16, block_n=16)  # noqa: E731
     return [pytest.param(get_backend("torch"), id="torch"),
             pytest.param(TritonBackend(*small_tiles(1), grad_tiles=small_grad), id="triton"),
-            pytest.param(TritonBackend(*small_tiles(3, expand_k=MAX_RANK, group=2),
+            pytest.param(TritonBackend(*small_tiles(3, expand_k=MAX_RANK),
                                        grad_tiles=small_grad),
                          id="triton-split3")]
 

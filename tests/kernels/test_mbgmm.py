@@ -25,21 +25,21 @@ MODULES = {"qkv": ["q_proj", "k_proj", "v_proj"], "o": ["o_proj"],
 MAX_RANK = 64
 
 
-def small_tiles(split_k, shrink_n=16, expand_k=16, group=1):
+def small_tiles(split_k, shrink_n=16, expand_k=16):
     """The test layout has align 16: the tiles' page chunks (shrink block_k,
     expand block_n) must divide it. shrink_n >= MAX_RANK: all rank rows in
     one tile; expand_k >= MAX_RANK: all rank rows in one step (h read once
-    per block); group: column tiles per expand program."""
+    per block)."""
     return (lambda batch, k: Tiles(block_n=shrink_n, block_k=16, split_k=split_k),
-            lambda batch, n: Tiles(block_n=16, block_k=expand_k, group=group))
+            lambda batch, n: Tiles(block_n=16, block_k=expand_k))
 
 
 def backends():
     out = [pytest.param(get_backend("torch"), id="torch")]
-    for split_k, shrink_n, expand_k, group in ((1, 16, 16, 1), (3, 16, MAX_RANK, 2),
-                                               (0, MAX_RANK, 16, 3)):  # split 0: automatic
-        out.append(pytest.param(TritonBackend(*small_tiles(split_k, shrink_n, expand_k, group)),
-                                id=f"triton-split{split_k}-n{shrink_n}-k{expand_k}-g{group}"))
+    for split_k, shrink_n, expand_k in ((1, 16, 16), (3, 16, MAX_RANK),
+                                        (0, MAX_RANK, 16)):  # split 0: automatic
+        out.append(pytest.param(TritonBackend(*small_tiles(split_k, shrink_n, expand_k)),
+                                id=f"triton-split{split_k}-n{shrink_n}-k{expand_k}"))
     return out
 
 

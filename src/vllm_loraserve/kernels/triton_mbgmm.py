@@ -96,14 +96,12 @@ def _expand_kernel(
     desc_ptr,
     page_size, num_segs, max_pages, seg0,
     stride_hs, stride_ht, stride_yt,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    """A program takes GROUP column tiles of BN columns of each work block
-    it strides to, looping over the rank in BK rows per tile. (A flat loop
-    over (block, column tile) items with all rank rows in one step, meant to
-    let Triton pipeline one item's dependent loads under the next's, measured
-    1.4x slower on an H200: docs/benchmarks/kernels.md, 2026-11-25.)"""
+    """A program takes one tile of BN columns of each work block it strides
+    to, looping over the rank in BK rows. (Several column tiles per program,
+    and a flat loop over (block, column tile) items, measured slower on an
+    H200: docs/benchmarks/kernels.md, 2026-11-25.)"""
     s = tl.program_id(2)
     n_out = tl.load(desc_ptr + s * 3 + 1)
     width = tl.load(desc_ptr + s * 3)
@@ -115,11 +113,11 @@ def _expand_kernel(
         n_out = tl.multiple_of(n_out, 16)
     offs_m = tl.arange(0, BM)
     offs_j = tl.arange(0, BK)
-    offs_c = tl.arange(0, BN)
-    g0 = tl.program_id(1) * BN * GROUP
-    g_end = tl.minimum(g0 + BN * GROUP, n_out)
+    n0 = tl.program_id(1) * BN
+    offs_n = n0 + tl.arange(0, BN)
+    n_mask = offs_n < n_out
     # Grid-stride over the step's work blocks (see _shrink_kernel).
-    nblocks = tl.where(g0 < n_out, tl.load(nblocks_ptr), 0)
+    nblocks = tl.where(n0 < n_out, tl.load(nblocks_ptr), 0)
     for blk in range(tl.program_id(0), nblocks, tl.num_programs(0)):
         slot = tl.load(blocks_ptr + blk * 3)
         seg_off = tl.load(seg_ptr + slot * num_segs + seg0 + 2 * s)
@@ -130,26 +128,21 @@ def _expand_kernel(
             m_mask = offs_m < length
             toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
             h_rows = h_ptr + s * stride_hs + toks[:, None] * stride_ht
-            y_rows = y_ptr + toks[:, None] * stride_yt + col0
+            out = y_ptr + toks[:, None] * stride_yt + col0 + offs_n[None, :]
             page_row = pages_ptr + slot * max_pages
-            for n0 in range(g0, g_end, BN):
-                offs_n = n0 + offs_c
-                n_mask = offs_n < n_out
-                mask = m_mask[:, None] & n_mask[None, :]
-                y = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
-                acc = y.to(tl.float32)
-                for j0 in range(0, rank, BK):
-                    j_mask = (j0 + offs_j) < rank
-                    hj = tl.load(h_rows + (j0 + offs_j)[None, :],
-                                 mask=m_mask[:, None] & j_mask[None, :], other=0.0)
-                    chunk = seg_off + (j0 + offs_j) * width + n0
-                    page = tl.load(page_row + chunk // page_size, mask=j_mask, other=0)
-                    base = tl.multiple_of(page.to(tl.int64) * page_size
-                                          + chunk % page_size, 16)
-                    w = tl.load(pool_ptr + base[:, None] + offs_c[None, :],
-                                mask=j_mask[:, None] & n_mask[None, :], other=0.0)
-                    acc += tl.dot(hj.to(w.dtype), w)
-                tl.store(y_rows + offs_n[None, :], acc.to(y.dtype), mask=mask)
+            mask = m_mask[:, None] & n_mask[None, :]
+            acc = tl.load(out, mask=mask, other=0.0).to(tl.float32)
+            for j0 in range(0, rank, BK):
+                j_mask = (j0 + offs_j) < rank
+                hj = tl.load(h_rows + (j0 + offs_j)[None, :],
+                             mask=m_mask[:, None] & j_mask[None, :], other=0.0)
+                chunk = seg_off + (j0 + offs_j) * width + n0  # BN columns of row j: one page
+                page = tl.load(page_row + chunk // page_size, mask=j_mask, other=0)
+                base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
+                w = tl.load(pool_ptr + base[:, None] + tl.arange(0, BN)[None, :],
+                            mask=j_mask[:, None] & n_mask[None, :], other=0.0)
+                acc += tl.dot(hj.to(w.dtype), w)
+            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -225,15 +218,13 @@ WRITE_BLOCK = 4096  # elements a program copies
 @dataclass(frozen=True)
 class Tiles:
     """Shrink: rank rows (block_n) by input columns (block_k) per step.
-    Expand: output columns (block_n) by rank rows (block_k) per step, `group`
-    column tiles per program and block."""
+    Expand: output columns (block_n) by rank rows (block_k) per step."""
 
     block_n: int
     block_k: int
     split_k: int = 0  # shrink only; 0: chosen per launch by `auto_split_k`
     num_warps: int = 4
     num_stages: int = 2
-    group: int = 1  # expand only
 
 
 def shrink_tiles(batch: TokenBatch, k: int) -> Tiles:
@@ -392,7 +383,7 @@ class TritonBackend:
         n_max = max(n for _, n, _ in desc_rows)
         t = self._expand_tiles(batch, n_max)
         _check_align(layout, t.block_n)
-        col_blocks = triton.cdiv(n_max, t.block_n * t.group)
+        col_blocks = triton.cdiv(n_max, t.block_n)
         grid = (block_programs(batch.max_blocks, col_blocks * len(desc_rows), y.device),
                 col_blocks, len(desc_rows))
         _expand_kernel[grid](
@@ -400,7 +391,7 @@ class TritonBackend:
             slots.seg_offsets, slots.pages, _desc(tuple(desc_rows), y.device),
             layout.page_size, layout.num_segments, slots.pages.shape[1], seg0,
             h.stride(0), h.stride(1), y.stride(0),
-            BM=batch.block_m, BN=t.block_n, BK=t.block_k, GROUP=t.group,
+            BM=batch.block_m, BN=t.block_n, BK=t.block_k,
             ALIGNED=all(n % 16 == 0 and col % 16 == 0 for _, n, col in desc_rows),
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
