@@ -57,7 +57,7 @@ MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
 TARGETS = {"qkvo": ("qkv", "o"), "all-linear": tuple(MODULES)}
 # Adapters in the pool; tokens pick them by a power law (alpha 1), as the e2e
 # workload does (pow-400 puts ~170 distinct adapters in 512 tokens).
-MIXES = {"single-r8": 1, "pow-32": 32, "pow-100": 100, "pow-200": 200, "pow-400": 400}
+MIXES = {"single-r8": 1, "single-r64": 1, "pow-32": 32, "pow-100": 100, "pow-200": 200, "pow-400": 400}
 TOKENS = (1, 16, 64, 256, 512, 2048, 8192)
 
 
@@ -77,7 +77,7 @@ def build(shape: dict, kinds: tuple[str, ...], mix: str, tokens: int, dev: torch
     kernels must read at least once); their number."""
     slices = slices_of(shape, kinds)
     n = MIXES[mix]
-    ranks = (8,) if mix == "single-r8" else shape["ranks"]
+    ranks = (int(mix.removeprefix("single-r")),) if mix.startswith("single-r") else shape["ranks"]
     max_rank = max(shape["ranks"])
     pool = DevicePool(slices, LAYERS, max_rank, tokens, 4096, 3, "triton", dev,
                       large_rule=rule)
@@ -216,6 +216,9 @@ def main() -> None:
                     help="comma-separated worker/pool.py LARGE_RULES to time the current "
                          "kernels under (inputs above SMALL_BATCH rows); the first one is "
                          "the sweep's and the baseline's")
+    ap.add_argument("--small-batch", type=int,
+                    help="worker/pool.py SMALL_BATCH for this run (0: every input follows "
+                         "the rules), to time the rules at any token count")
     ap.add_argument("--prefill-chunks", type=int, default=0)
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--out", required=True)
@@ -228,6 +231,8 @@ def main() -> None:
     peak = copy_tb_s(dev)
     print(f"copy: {peak:.2f} TB/s", flush=True)
     old = load_module(a.baseline, "baseline_mbgmm") if a.baseline else None
+    if a.small_batch is not None:
+        pool_mod.SMALL_BATCH = a.small_batch
     rules = a.rules.split(",")
     unknown = set(rules) - set(pool_mod.LARGE_RULES)
     if unknown:
@@ -272,7 +277,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": triton.__version__, "shape": a.shape, "targets": a.targets,
-               "rules": rules, "layers": LAYERS, "copy_tb_s": round(peak, 3), "rows": rows},
+               "rules": rules, "small_batch": pool_mod.SMALL_BATCH, "layers": LAYERS, "copy_tb_s": round(peak, 3), "rows": rows},
               open(a.out, "w"), indent=1)
 
 

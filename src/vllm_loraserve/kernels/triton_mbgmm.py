@@ -37,7 +37,7 @@ def _shrink_kernel(
     K, a_width, page_size, num_segs, max_pages, seg0,
     stride_xt, stride_hs, stride_ht,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_H: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     split = pid0 % SPLIT_K
@@ -81,9 +81,14 @@ def _shrink_kernel(
                 base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
                 w = tl.load(pool_ptr + base[None, :] + offs_k[:, None], mask=w_mask, other=0.0)
                 acc += tl.dot(x, w)
-            # Only columns below the rank: h past it is never read (no memset).
+            # Only columns below the rank: h past it is never read (no memset),
+            # but where h was zeroed (EVEN_H: split-K, and the tile ends inside
+            # h), the tile's columns past the rank add the masked weights' 0.
             out = h_ptr + s * stride_hs + toks[:, None] * stride_ht + offs_n[None, :]
-            mask = m_mask[:, None] & n_mask[None, :]
+            if EVEN_H:
+                mask = m_mask[:, None]
+            else:
+                mask = m_mask[:, None] & n_mask[None, :]
             if SPLIT_K == 1:
                 tl.store(out, acc, mask=mask)
             else:
@@ -97,11 +102,14 @@ def _expand_kernel(
     page_size, num_segs, max_pages, seg0,
     stride_hs, stride_ht, stride_yt,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGNED: tl.constexpr,
+    EVEN_H: tl.constexpr,
 ):
     """A program takes one tile of BN columns of each work block it strides
     to, looping over the rank in BK rows. (Several column tiles per program,
     and a flat loop over (block, column tile) items, measured slower on an
-    H200: docs/benchmarks/kernels.md, 2026-11-25.)"""
+    H200: docs/benchmarks/kernels.md, 2026-11-25.) EVEN_H: h is zero past
+    each token's rank up to a multiple of BK (the shrink zeroed it), so its
+    rows load unmasked."""
     s = tl.program_id(2)
     n_out = tl.load(desc_ptr + s * 3 + 1)
     width = tl.load(desc_ptr + s * 3)
@@ -134,8 +142,12 @@ def _expand_kernel(
             acc = tl.load(out, mask=mask, other=0.0).to(tl.float32)
             for j0 in range(0, rank, BK):
                 j_mask = (j0 + offs_j) < rank
-                hj = tl.load(h_rows + (j0 + offs_j)[None, :],
-                             mask=m_mask[:, None] & j_mask[None, :], other=0.0)
+                if EVEN_H:
+                    hj = tl.load(h_rows + (j0 + offs_j)[None, :], mask=m_mask[:, None],
+                                 other=0.0)
+                else:
+                    hj = tl.load(h_rows + (j0 + offs_j)[None, :],
+                                 mask=m_mask[:, None] & j_mask[None, :], other=0.0)
                 chunk = seg_off + (j0 + offs_j) * width + n0  # BN columns of row j: one page
                 page = tl.load(page_row + chunk // page_size, mask=j_mask, other=0)
                 base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
@@ -371,11 +383,12 @@ class TritonBackend:
             layout.num_segments, slots.pages.shape[1], seg0,
             x.stride(0), h.stride(0), h.stride(1),
             BM=batch.block_m, BN=t.block_n, BK=t.block_k, SPLIT_K=split_k,
-            EVEN_K=k % t.block_k == 0,
+            EVEN_K=k % t.block_k == 0, EVEN_H=split_k > 1 and h.shape[-1] % t.block_n == 0,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
-    def _expand(self, h, pool, y, batch, slots, layout, desc_rows, seg0) -> None:
+    def _expand(self, h, pool, y, batch, slots, layout, desc_rows, seg0,
+                h_zeroed: bool = False) -> None:
         """y[:, cols(s)] += h[s] @ (rows of segment seg0 + 2s), s < len(desc_rows);
         slices must write disjoint columns (programs of different s run at once)."""
         if batch.max_blocks == 0:
@@ -393,6 +406,7 @@ class TritonBackend:
             h.stride(0), h.stride(1), y.stride(0),
             BM=batch.block_m, BN=t.block_n, BK=t.block_k,
             ALIGNED=all(n % 16 == 0 and col % 16 == 0 for _, n, col in desc_rows),
+            EVEN_H=h_zeroed and h.shape[-1] % t.block_k == 0,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
@@ -419,7 +433,8 @@ class TritonBackend:
 
     def shrink(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, batch: TokenBatch,
                slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
-        """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T; no other entry of h is written."""
+        """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T. Where it splits K, all of h
+        is zeroed first; otherwise no other entry of h is written."""
         self._shrink(x, pool, h, batch, slots, layout, module.in_features,
                      layout.width(2 * module.first), 2 * module.first, module.count)
 
@@ -427,11 +442,18 @@ class TritonBackend:
                slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
         """y[t, slice s columns] += h[s, t, :rank] @ Bt_{slot(t), s}; tokens
         without an adapter and untargeted slices are left as they are. h is
-        read up to each token's rank only."""
+        what `shrink` of the same batch and module wrote: read up to each
+        token's rank, or unmasked where that shrink zeroed it (split K)."""
         rows = [(layout.width(2 * (module.first + s) + 1), n, col)
                 for s, (n, col) in enumerate(zip(module.out_features, module.out_offsets,
                                                  strict=True))]
-        self._expand(h, pool, y, batch, slots, layout, rows, 2 * module.first + 1)
+        if batch.max_blocks == 0:
+            return
+        # The shrink of this batch and module zeroed h if it split K.
+        _, split_k, _ = self._shrink_launch(batch, slots.max_rank, module.in_features,
+                                            module.count, h.device)
+        self._expand(h, pool, y, batch, slots, layout, rows, 2 * module.first + 1,
+                     h_zeroed=split_k > 1)
 
     # Backward: the same two kernels with the segments' roles swapped, one
     # slice per launch (each slice has its own input columns, or, for dx,
