@@ -57,7 +57,8 @@ MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
 TARGETS = {"qkvo": ("qkv", "o"), "all-linear": tuple(MODULES)}
 # Adapters in the pool; tokens pick them by a power law (alpha 1), as the e2e
 # workload does (pow-400 puts ~170 distinct adapters in 512 tokens).
-MIXES = {"single-r8": 1, "single-r64": 1, "pow-32": 32, "pow-100": 100, "pow-200": 200, "pow-400": 400}
+MIXES = {"single-r8": 1, "single-r64": 1, "pow-32": 32, "pow-100": 100, "pow-200": 200,
+         "pow-400": 400}
 TOKENS = (1, 16, 64, 256, 512, 2048, 8192)
 
 
@@ -277,7 +278,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": triton.__version__, "shape": a.shape, "targets": a.targets,
-               "rules": rules, "small_batch": pool_mod.SMALL_BATCH, "layers": LAYERS, "copy_tb_s": round(peak, 3), "rows": rows},
+               "rules": rules, "small_batch": pool_mod.SMALL_BATCH, "layers": LAYERS,
+               "copy_tb_s": round(peak, 3), "rows": rows},
               open(a.out, "w"), indent=1)
 
 
