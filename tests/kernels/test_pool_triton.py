@@ -87,10 +87,11 @@ def test_triton_page_writer_refuses_streams_of_another_shape():
 @pytest.mark.parametrize("rule", sorted(pool_mod.LARGE_RULES))
 def test_large_batch_rules_match_torch_pool(monkeypatch, rule):
     """Above SMALL_BATCH rows, every rule gives the torch pool's result. The
-    step holds a prefill chunk of one adapter (20 tokens >= TALL: 64-token
-    blocks under "split") and a few decode tokens of another (16-token
-    blocks), interleaved, plus padding rows without an adapter."""
+    step holds a prefill chunk of one adapter (20 tokens >= TALL, lowered to
+    16: 64-token blocks under "split") and a few decode tokens of another
+    (16-token blocks), interleaved, plus padding rows without an adapter."""
     monkeypatch.setattr(pool_mod, "SMALL_BATCH", 4)
+    monkeypatch.setattr(pool_mod, "TALL", 16)
     a = adapter(8, ("q_proj", "k_proj", "v_proj", "down_proj"), 0)
     b = adapter(32, ("q_proj", "v_proj", "o_proj"), 1)
     tokens = np.array([12] * 10 + [11, 0, 11] + [12] * 10 + [11])

@@ -13,6 +13,7 @@ from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.layout import pack_layer
 from vllm_loraserve.paging.model import model_layout
 from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
+from vllm_loraserve.worker import pool as pool_mod
 from vllm_loraserve.worker.pool import DevicePool, page_view
 
 CFG = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -145,7 +146,7 @@ def test_page_view_refuses_a_layout_that_is_not_blocks_first():
         page_view(kv, 2 * 16 * 16)
 
 
-def test_warm_up_launches_every_variant_serving_launches():
+def test_warm_up_launches_every_variant_serving_launches(monkeypatch):
     """Issue 23: no kernel compiles while serving. The Triton backend's
     launches are recorded (not run): every (block height, tiles, split-K) a
     step of any token count up to the pool's maximum launches for each module
@@ -189,7 +190,9 @@ def test_warm_up_launches_every_variant_serving_launches():
                                                                           strict=True))
     shrinks = [k for k in launched if k[0] == "shrink"]
     assert variants == 1 + len(shrinks) == 1 + len(set(shrinks))  # the writer; each once
-    # Serving: every token count, through the pool's own path.
+    # Serving: every token count, through the pool's own path, as captured in
+    # a CUDA graph (eager steps skip the launches of empty batches).
+    monkeypatch.setattr(pool_mod, "_capturing", lambda x: True)
     launched.clear()
     for num_tokens in range(1, 601):
         pool.set_tokens(np.zeros(num_tokens, dtype=np.int64), ignored_ids=set())
@@ -201,3 +204,29 @@ def test_warm_up_launches_every_variant_serving_launches():
     served = set(launched)
     assert {k[2] for k in served if k[0] == "shrink"} == {16, 64}  # both block heights
     assert served <= warmed, served - warmed
+
+
+def test_eager_steps_skip_empty_batchings_only():
+    """Outside a graph capture, a batching without work blocks launches
+    nothing; one with blocks launches shrink and expand."""
+    pool, _ = make_pool()
+    a = adapter(8, ("q_proj", "k_proj", "v_proj"), 3)
+    pool.load(0, 1, a[0], tuple(range(1, 1 + a[0].num_pages)), a[1])
+    calls = []
+
+    class Counting:
+        def shrink(self, *args):
+            calls.append("shrink")
+
+        def expand(self, *args):
+            calls.append("expand")
+
+    pool.backend = Counting()
+    qkv = ModuleSlices.of(pool.layout, ("q_proj", "k_proj", "v_proj"))
+    for ids, want in (([1, 0, 1], 2), ([0, 0, 0], 0)):
+        calls.clear()
+        pool.set_tokens(np.array(ids), ignored_ids=set())
+        pool.active = True
+        x = torch.zeros(3, qkv.in_features)
+        pool.add_lora(0, qkv, x, torch.zeros(3, sum(qkv.out_features)))
+        assert len(calls) == want, (ids, calls)

@@ -11,15 +11,13 @@
 Every tensor the kernels read is allocated once and changed in place, so a
 CUDA graph captured with any batch replays correctly with a later one: the
 kernels' grids depend only on the number of tokens, and programs past the
-step's real work blocks (read on the device) return at once. A layer input
-of at most `SMALL_BATCH` rows runs in 16-token work blocks (decode: MBGMV).
-A larger one is cut per adapter (`LARGE_RULES["split"]`): an adapter with a
-prefill chunk in the step (`TALL` tokens or more) in 64-token blocks
-(MBGMM), every other adapter in 16-token blocks, as two launches each of
-shrink and expand. One height for all would either re-read a chunk's
-adapter once per 16 tokens or run mostly empty 64-row tiles for the decode
-tokens. Which batchings a layer launches depends on its row count only, so
-it is the same at capture and at replay.
+step's real work blocks (read on the device) return at once. Work blocks
+are 16 tokens high (MBGMV), but for an adapter with `TALL` tokens or more
+in a step (long prefill chunks): its tokens go in 64-token blocks (MBGMM),
+in a second launch of shrink and expand, so its weights are not read again
+for every 16 tokens. Only a layer input of more than `SMALL_BATCH` rows can
+hold such an adapter; which batchings a layer launches depends on its row
+count only, so it is the same at capture and at replay.
 
 Invariant: a token's adapter id maps to a slot only if that adapter's pages
 were written in this or an earlier step; a real adapter id without a slot is
@@ -38,7 +36,12 @@ from vllm_loraserve.kernels.batch import ModuleSlices, TokenBatch, TokenBatchBuf
 from vllm_loraserve.paging.layout import AdapterPlacement, LayerLayout, SliceSpec
 
 SMALL_BATCH = 512  # rows; a layer input of at most this many uses 16-token work blocks
-TALL = 16  # tokens of one adapter in a step from which it gets 64-token blocks (split)
+# Tokens of one adapter in a step from which it gets 64-token blocks ("split").
+# On an H200 (Llama-3-8B all-linear, docs/benchmarks/kernels.md 2026-11-25
+# session 11), one adapter's tokens ran faster in 16-token blocks up to 1024
+# tokens at rank 64 and 2048 at rank 8; at rank 64, 64-token blocks won at
+# 2048 (418 against 473 us a layer).
+TALL = 1536
 # The batchings of a layer input above SMALL_BATCH rows, by rule: each a
 # (token set, block height). "split" serves; the others are the A/B of
 # benchmarks/kernels/engine_grid.py (--rules).
@@ -60,6 +63,12 @@ class _Resident:
     # Bytes of A and B it holds in all layers (row padding excluded): what a
     # step's kernels read of it. Counted at load, so a step only adds ints.
     weight_bytes: int
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    """A CUDA graph is being captured on x's stream: it must hold every launch
+    a later replay may need, so no launch is skipped for an empty batch."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def page_view(kv: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -241,8 +250,11 @@ class DevicePool:
             return
         h = self.h[:module.count, :x.shape[0]]
         pool = self.pages[layer]
+        capturing = _capturing(x)
         # The batchings hold disjoint tokens. Each expand runs before the next
         # shrink: a split-K shrink zeroes all of h first.
         for batch in self._batches_for(x.shape[0]):
+            if batch.num_blocks == 0 and not capturing:
+                continue  # eager: nothing to do (a graph keeps every launch)
             self.backend.shrink(x, pool, h, batch, self.table, module, self.layout)
             self.backend.expand(h, pool, y, batch, self.table, module, self.layout)
