@@ -114,9 +114,12 @@ def build(shape: dict, kinds: tuple[str, ...], mix: str, tokens: int, dev: torch
     return pool, step_bytes * 2 * LAYERS, len(set(ids.tolist()))
 
 
-def time_module(pool: DevicePool, kind: str, tokens: int,
-                dev: torch.device) -> tuple[float, torch.Tensor]:
-    """(microseconds per layer, layer 0's output from zero) of one module kind."""
+def time_module(pool: DevicePool, kind: str, tokens: int, dev: torch.device,
+                eager: bool = False) -> tuple[float, torch.Tensor]:
+    """(microseconds per layer, layer 0's output from zero) of one module kind;
+    `eager`: launched from Python each time, as vLLM runs a step larger than
+    its largest CUDA graph (the host's launch cost counts where it exceeds
+    the GPU's time)."""
     m = ModuleSlices.of(pool.layout, MODULES[kind])
     x = torch.randn(tokens, m.in_features, device=dev, dtype=torch.bfloat16,
                     generator=torch.Generator(device=dev).manual_seed(1))
@@ -128,6 +131,9 @@ def time_module(pool: DevicePool, kind: str, tokens: int,
         for layer in range(LAYERS):
             pool.add_lora(layer, m, x, y)
     step()
+    if eager:
+        ms = triton.testing.do_bench(step, warmup=10, rep=60, return_mode="median")
+        return ms * 1e3 / LAYERS, first
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -220,6 +226,10 @@ def main() -> None:
     ap.add_argument("--small-batch", type=int,
                     help="worker/pool.py SMALL_BATCH for this run (0: every input follows "
                          "the rules), to time the rules at any token count")
+    ap.add_argument("--tall", type=int,
+                    help="worker/pool.py TALL for this run (the split rule's threshold)")
+    ap.add_argument("--eager", action="store_true",
+                    help="time eager launches instead of CUDA-graph replays")
     ap.add_argument("--prefill-chunks", type=int, default=0)
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--out", required=True)
@@ -234,6 +244,8 @@ def main() -> None:
     old = load_module(a.baseline, "baseline_mbgmm") if a.baseline else None
     if a.small_batch is not None:
         pool_mod.SMALL_BATCH = a.small_batch
+    if a.tall is not None:
+        pool_mod.TALL = a.tall
     rules = a.rules.split(",")
     unknown = set(rules) - set(pool_mod.LARGE_RULES)
     if unknown:
@@ -261,7 +273,8 @@ def main() -> None:
                 ys = {}
                 for name, backend, rule in variants:
                     pools[rule].backend = backend
-                    row[f"{kind}_{name}_us"], ys[name] = time_module(pools[rule], kind, t, dev)
+                    row[f"{kind}_{name}_us"], ys[name] = time_module(pools[rule], kind, t, dev,
+                                                                     a.eager)
                 for name in names[1:]:
                     row[f"{kind}_{name}_max_abs_diff"] = (
                         ys[name].float() - ys[names[0]].float()).abs().max().item()
@@ -278,8 +291,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": triton.__version__, "shape": a.shape, "targets": a.targets,
-               "rules": rules, "small_batch": pool_mod.SMALL_BATCH, "layers": LAYERS,
-               "copy_tb_s": round(peak, 3), "rows": rows},
+               "rules": rules, "eager": a.eager, "small_batch": pool_mod.SMALL_BATCH,
+               "tall": pool_mod.TALL, "layers": LAYERS, "copy_tb_s": round(peak, 3), "rows": rows},
               open(a.out, "w"), indent=1)
 
 

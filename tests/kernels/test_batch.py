@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_loraserve.kernels.batch import TokenBatchBuffers
-from vllm_loraserve.worker.pool import SMALL_BATCH
 
 MAX_TOKENS, MAX_SLOTS = 600, 24
 
@@ -38,7 +37,7 @@ def test_a_full_graph_batch_fits_both_block_heights():
     """The worst case each block height serves: every token its own slot's
     block tail (as many distinct adapters as slots)."""
     rng = np.random.default_rng(0)
-    for block_m, num_tokens in ((16, SMALL_BATCH), (64, MAX_TOKENS)):
+    for block_m, num_tokens in ((16, MAX_TOKENS), (64, MAX_TOKENS)):
         slots = rng.integers(0, MAX_SLOTS, num_tokens)
         slots[:MAX_SLOTS] = np.arange(MAX_SLOTS)
         buffers = TokenBatchBuffers(MAX_TOKENS, MAX_SLOTS, block_m)

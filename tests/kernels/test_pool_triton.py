@@ -119,17 +119,20 @@ def test_large_batch_rules_match_torch_pool(monkeypatch, rule):
     assert torch.equal(outs[1][11], y0[11])  # the token without an adapter
 
 
-def test_split_token_sets_partition_the_adapter_tokens():
+def test_split_token_sets_partition_the_adapter_tokens(monkeypatch):
     """"short" and "tall" are disjoint and together hold exactly the tokens
-    with an adapter; an adapter is tall from TALL tokens on."""
-    tall = pool_mod.TALL
-    slots = np.array([2] * tall + [5] * (tall - 1) + [-1, 7, -1])
-    short = DevicePool._token_set("short", slots)
-    tall_set = DevicePool._token_set("tall", slots)
-    assert ((short >= 0) & (tall_set >= 0)).sum() == 0
-    assert np.array_equal(np.maximum(short, tall_set), slots)
-    assert set(tall_set[tall_set >= 0].tolist()) == {2}
-    assert set(short[short >= 0].tolist()) == {5, 7}
+    with an adapter; an adapter is tall from TALL tokens on, and only if the
+    tall adapters hold more than SMALL_BATCH tokens together."""
+    monkeypatch.setattr(pool_mod, "TALL", 4)
+    slots = np.array([2] * 4 + [5] * 3 + [-1, 7, -1, 8, 8, 8, 8, 8])
+    for small_batch, want_tall in ((8, {2, 8}), (9, set())):
+        monkeypatch.setattr(pool_mod, "SMALL_BATCH", small_batch)
+        short = DevicePool._token_set("short", slots)
+        tall = DevicePool._token_set("tall", slots)
+        assert ((short >= 0) & (tall >= 0)).sum() == 0
+        assert np.array_equal(np.maximum(short, tall), slots)
+        assert set(tall[tall >= 0].tolist()) == want_tall
+        assert set(short[short >= 0].tolist()) == {2, 5, 7, 8} - want_tall
 
 
 def test_unknown_large_rule_is_refused():

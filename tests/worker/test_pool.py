@@ -12,8 +12,8 @@ import torch
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.layout import pack_layer
 from vllm_loraserve.paging.model import model_layout
-from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker import pool as pool_mod
+from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker.pool import DevicePool, page_view
 
 CFG = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -174,6 +174,7 @@ def test_warm_up_launches_every_variant_serving_launches(monkeypatch):
 
     from vllm_loraserve.kernels.reference import TorchBackend
 
+    monkeypatch.setattr(pool_mod, "SMALL_BATCH", 512)  # inputs above it: two launches
     layout = model_layout(CFG, 1024)
     pool = DevicePool(layout.slices, LAYERS, max_rank=32, max_tokens=600, max_slots=8,
                       max_slices=3, backend="torch", device=torch.device("cpu"))

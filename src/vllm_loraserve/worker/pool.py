@@ -12,12 +12,14 @@ Every tensor the kernels read is allocated once and changed in place, so a
 CUDA graph captured with any batch replays correctly with a later one: the
 kernels' grids depend only on the number of tokens, and programs past the
 step's real work blocks (read on the device) return at once. Work blocks
-are 16 tokens high (MBGMV), but for an adapter with `TALL` tokens or more
-in a step (long prefill chunks): its tokens go in 64-token blocks (MBGMM),
-in a second launch of shrink and expand, so its weights are not read again
-for every 16 tokens. Only a layer input of more than `SMALL_BATCH` rows can
-hold such an adapter; which batchings a layer launches depends on its row
-count only, so it is the same at capture and at replay.
+are 16 tokens high (MBGMV), but in a prefill-heavy step: the adapters with
+`TALL` tokens or more, when they hold more than `SMALL_BATCH` tokens
+together, run in 64-token blocks (MBGMM), in a second launch of shrink and
+expand. Only then do their 64-token blocks fill the GPU; a few of them
+alone take longer than their weights re-read in 16-token blocks. Only a
+layer input of more than `SMALL_BATCH` rows can take the second launch, so
+which launches a layer makes depends on its row count only, the same at
+capture and at replay.
 
 Invariant: a token's adapter id maps to a slot only if that adapter's pages
 were written in this or an earlier step; a real adapter id without a slot is
@@ -35,13 +37,13 @@ from vllm_loraserve.kernels import SlotTable, get_backend
 from vllm_loraserve.kernels.batch import ModuleSlices, TokenBatch, TokenBatchBuffers
 from vllm_loraserve.paging.layout import AdapterPlacement, LayerLayout, SliceSpec
 
-SMALL_BATCH = 512  # rows; a layer input of at most this many uses 16-token work blocks
-# Tokens of one adapter in a step from which it gets 64-token blocks ("split").
-# On an H200 (Llama-3-8B all-linear, docs/benchmarks/kernels.md 2026-11-25
-# session 11), one adapter's tokens ran faster in 16-token blocks up to 1024
-# tokens at rank 64 and 2048 at rank 8; at rank 64, 64-token blocks won at
-# 2048 (418 against 473 us a layer).
-TALL = 1536
+# The split rule's thresholds, from engine_grid.py on an H200 (Llama-3-8B
+# all-linear, 200 adapters; docs/benchmarks/kernels.md, 2026-11-25 session
+# 11): 16-token blocks were faster for decode steps of up to 2048 tokens,
+# whose busiest adapter holds a few hundred tokens; 64-token blocks for the
+# adapters of prefill chunks once they held 4096 tokens or more.
+SMALL_BATCH = 4096  # rows; an input of at most this many runs in 16-token blocks only
+TALL = 256  # tokens of one adapter in a step from which it may get 64-token blocks
 # The batchings of a layer input above SMALL_BATCH rows, by rule: each a
 # (token set, block height). "split" serves; the others are the A/B of
 # benchmarks/kernels/engine_grid.py (--rules).
@@ -214,13 +216,17 @@ class DevicePool:
 
     @staticmethod
     def _token_set(name: str, token_slots: np.ndarray) -> np.ndarray:
-        """`token_slots` with the tokens outside set `name` as -1 (no block)."""
+        """`token_slots` with the tokens outside set `name` as -1 (no block).
+        "tall": the tokens of adapters with at least TALL of them, if there
+        are more than SMALL_BATCH such tokens, else none; "short": the rest."""
         if name == "all":
             return token_slots
         counts = np.bincount(token_slots[token_slots >= 0], minlength=1)
-        per_token = counts[np.maximum(token_slots, 0)]
-        keep = (per_token >= TALL) if name == "tall" else (per_token < TALL)
-        return np.where((token_slots >= 0) & keep, token_slots, -1)
+        tall = (counts[np.maximum(token_slots, 0)] >= TALL) & (token_slots >= 0)
+        if tall.sum() <= SMALL_BATCH:
+            tall[:] = False
+        keep = tall if name == "tall" else ~tall
+        return np.where(keep, token_slots, -1)
 
     def _plan(self, num_tokens: int) -> tuple[tuple[tuple[str, int], int], ...]:
         """The batchings a layer input of `num_tokens` rows launches, each
