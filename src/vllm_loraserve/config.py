@@ -25,8 +25,7 @@ ADDITIONAL_CONFIG_KEY = "loraserve"
 # Every other field is read at run time only (RUNTIME_FIELDS); a new field
 # must join one of the two (tests/worker/test_compile_key.py).
 COMPILE_FIELDS = ("pool", "kernel", "max_slots")
-RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads",
-                  "assist_cpus")
+RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads")
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -81,16 +80,6 @@ class LoraServeConfig:
         "being read wait in the queue; the batch does not.",
         flag="--loraserve-read-threads",
     )
-    assist_cpus: int = _opt(
-        0,
-        "CPU worker processes per GPU worker that compute cold adapters' LoRA "
-        "deltas (--loraserve-cold-start cpu-assist), each pinned to its own "
-        "core. 0: what the machine can spare beside vLLM: the process's cores "
-        "after 2 (API server, engine core) plus, per GPU worker, 1 and its "
-        "read threads, split between the node's GPU workers, at most 16 each "
-        "(worker/cpu_lora/cores.py).",
-        flag="--loraserve-assist-cpus",
-    )
     max_slots: int = _opt(
         4096,
         "Most adapters resident in the paged pool at once (the length of the "
@@ -115,9 +104,9 @@ class LoraServeConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"loraserve.{f.name} must be one of {list(choices)}, "
                                  f"got {getattr(self, f.name)!r}")
-        for name in ("host_cache_bytes", "read_threads", "max_slots", "assist_cpus"):
+        for name in ("host_cache_bytes", "read_threads", "max_slots"):
             value = getattr(self, name)
-            low = 0 if name in ("host_cache_bytes", "assist_cpus") else 1
+            low = 0 if name == "host_cache_bytes" else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"loraserve.{name} must be an integer >= {low}, got {value!r}")
 

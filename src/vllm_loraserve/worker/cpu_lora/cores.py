@@ -1,6 +1,6 @@
 """Which cores the CPU workers of one engine worker take.
 
-The rule for the default (`--loraserve-assist-cpus 0`): vLLM keeps, per
+The rule for the default (CpuPoolConfig.workers = 0): vLLM keeps, per
 engine, one busy core for the API server, one for the engine core's loop,
 and per GPU worker process one for the thread that launches kernels plus
 one per host-tier reader thread (`--loraserve-read-threads`). Those are the
