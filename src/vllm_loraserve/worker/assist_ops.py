@@ -47,23 +47,28 @@ def _load() -> tuple[bool, str]:
         return False, "no CUDA device is visible"
     spec = importlib.util.find_spec(PREBUILT)
     if spec is not None and spec.origin:
-        torch.ops.load_library(spec.origin)
-        return True, f"prebuilt {spec.origin}"
+        try:
+            torch.ops.load_library(spec.origin)
+            return True, f"prebuilt {spec.origin}"
+        except OSError as exc:  # built against another torch, say
+            prebuilt = f"the prebuilt {spec.origin} does not load ({exc})"
+    else:
+        prebuilt = (f"no prebuilt {PREBUILT} (install with --no-build-isolation where torch "
+                    f"with CUDA and nvcc are present)")
     from torch.utils import cpp_extension
 
     if not SOURCE.is_file():
-        return False, (f"no prebuilt {PREBUILT} (install with --no-build-isolation where torch "
-                       f"with CUDA and nvcc are present) and no csrc/ source to build")
+        return False, f"{prebuilt}, and no csrc/ source to build"
     if cpp_extension.CUDA_HOME is None or not cpp_extension.is_ninja_available():
-        return False, (f"no prebuilt {PREBUILT}, and a JIT build needs nvcc (CUDA_HOME) and "
-                       f"ninja")
-    logger.info("loraserve: building %s with torch's JIT (about a minute, cached after)", SOURCE)
+        return False, f"{prebuilt}, and a JIT build needs nvcc (CUDA_HOME) and ninja"
+    logger.info("loraserve: %s; building %s with torch's JIT (about a minute, cached after)",
+                prebuilt, SOURCE)
     try:
         path = cpp_extension.load(name="loraserve_assist_ops", sources=[str(SOURCE)],
                                   extra_cuda_cflags=["-O3"], is_python_module=False)
     except Exception as exc:  # a compiler's failure: reported, not raised
-        return False, f"JIT build of {SOURCE} failed: {exc}"
-    return True, f"JIT-built {path or 'loraserve_assist_ops'} from {SOURCE}"
+        return False, f"{prebuilt}, and the JIT build of {SOURCE} failed: {exc}"
+    return True, f"JIT-built {path or 'loraserve_assist_ops'} from {SOURCE} ({prebuilt})"
 
 
 def available() -> tuple[bool, str]:
