@@ -15,7 +15,7 @@ import tarfile
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 # What the build reads; a copy keeps build/ and *.egg-info out of the checkout.
-SOURCES = ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", "src")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "MANIFEST.in", "src", "csrc")
 ENTRY_POINTS = {  # "group name": object
     "vllm.general_plugins loraserve": "vllm_loraserve.plugin:register",
     "vllm.endpoint_plugins loraserve": "vllm_loraserve.frontend.endpoint:LoraServeEndpoint",
@@ -57,7 +57,7 @@ def test_wheel_builds_cleanly_and_installs_alone(tmp_path):
     src, dist, venv = tmp_path / "src", tmp_path / "dist", tmp_path / "venv"
     src.mkdir()
     for name in SOURCES:
-        if name == "src":
+        if name in ("src", "csrc"):
             shutil.copytree(os.path.join(ROOT, name), src / name,
                             ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
         else:
@@ -71,7 +71,7 @@ def test_wheel_builds_cleanly_and_installs_alone(tmp_path):
     with tarfile.open(sdist) as tar:  # no stray test files (setuptools adds tests/test*.py)
         top = {n.split("/")[1] for n in tar.getnames() if "/" in n}
     assert top == {"PKG-INFO", "README.md", "LICENSE", "MANIFEST.in", "pyproject.toml",
-                   "setup.cfg", "src"}, top
+                   "setup.cfg", "setup.py", "src", "csrc"}, top
 
     _run([sys.executable, "-m", "venv", str(venv)])
     python = str(venv / "bin" / "python")

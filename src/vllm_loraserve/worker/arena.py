@@ -16,6 +16,10 @@ host-to-device copy). Each chunk keeps a free list of holes, sorted by
 offset, neighbours coalesced; `alloc` takes the smallest hole that fits
 (best fit: large holes stay whole for large adapters).
 
+`make_chunk` replaces how a chunk's bytes are made: worker/cpu_lora/shm.py
+`SharedChunks` puts each in a shared-memory segment (pinned on CUDA), so
+the CPU LoRA workers read adapters where the tier keeps them.
+
 Chunks are powers of two: torch's pinned allocator rounds each block up to
 one, so any other size would pin memory the arena cannot use. A chunk holds
 the largest adapter the pool can serve (`for_budget`), so any servable
@@ -29,6 +33,7 @@ holes are never adjacent (freed neighbours are merged).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,21 +58,23 @@ class Extent:
 
 
 class PinnedArena:
-    def __init__(self, chunk_bytes: int, count: int, pinned: bool, align: int = ALIGN) -> None:
+    def __init__(self, chunk_bytes: int, count: int, pinned: bool, align: int = ALIGN,
+                 make_chunk: Callable[[int], torch.Tensor] | None = None) -> None:
         if chunk_bytes % align or chunk_bytes <= 0 or count < 1:
             raise ValueError(f"chunks of {chunk_bytes} bytes (x{count}) are not whole "
                              f"multiples of the {align}-byte alignment")
         self.chunk_bytes, self.align, self.pinned = chunk_bytes, align, pinned
         # Freed only with the arena (at shutdown): nothing is pinned later.
-        self.chunks = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned)
-                       for _ in range(count)]
+        make = make_chunk or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pinned))
+        self.chunks = [make(chunk_bytes) for _ in range(count)]
         self._holes: list[list[tuple[int, int]]] = [[(0, chunk_bytes)] for _ in range(count)]
         self._live: set[Extent] = set()
         self.used = 0
 
     @classmethod
     def for_budget(cls, budget: int, largest: int, pinned: bool,
-                   chunk_bytes: int = CHUNK_BYTES) -> PinnedArena:
+                   chunk_bytes: int = CHUNK_BYTES,
+                   make_chunk: Callable[[int], torch.Tensor] | None = None) -> PinnedArena:
         """The arena for a byte budget, where no adapter takes more than
         `largest` bytes: chunks of `chunk_bytes` (or the budget, if smaller,
         rounded down to a power of two), grown to the smallest power of two
@@ -75,7 +82,7 @@ class PinnedArena:
         at least one, so the largest adapter can always be read."""
         chunk = max(_pow2_ceil(max(largest, ALIGN)),
                     _pow2_floor(max(min(chunk_bytes, budget), ALIGN)))
-        return cls(chunk, max(1, budget // chunk), pinned)
+        return cls(chunk, max(1, budget // chunk), pinned, make_chunk=make_chunk)
 
     @property
     def size(self) -> int:
