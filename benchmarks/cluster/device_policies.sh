@@ -39,7 +39,9 @@ if (( !ready )); then
 fi
 # shellcheck disable=SC1091
 source "$vb/env.sh"
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 3
+# The csrc/ op (setup.py) is not built here: nothing these calls run uses it,
+# and nvcc would take device time (tests/gpu/test_assist_ops_gpu.py builds it).
+LORASERVE_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 3
 python3 -c "import ray, httpx, prometheus_client, uvicorn, fastapi" \
   || { echo "a module the cluster needs is missing: add its wheel to VLLM_BUNDLE_EXTRA" >&2; exit 3; }
 export PYTHONUNBUFFERED=1

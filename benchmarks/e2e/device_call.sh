@@ -24,7 +24,9 @@ case $what in offline|online|profile|gpu-tests) ;; *) echo "unknown call $what" 
 # The bundle installs into this machine's python3: never on the CPU machine.
 command -v nvidia-smi >/dev/null || { echo "not a GPU machine: run this through device" >&2; exit 2; }
 source .devbundle/p1/vllm_install.sh >/dev/null || exit 3
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 3
+# The csrc/ op (setup.py) is not built here: nothing these calls run uses it,
+# and nvcc would take device time (tests/gpu/test_assist_ops_gpu.py builds it).
+LORASERVE_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 3
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 work=/tmp/device-$what
