@@ -83,7 +83,7 @@ class FakeEngine:
         assert adapter in peer.stored, f"peer {peer.index} does not hold {adapter}"
         self.stored.add(adapter)
         self.world.append((self.index, "fetch", adapter, f"peer-{peer.index}"))
-        return {"bytes": 1, "seconds": 0.001}
+        return {"bytes": 1, "seconds": 0.001, "via": "tcp"}
 
     async def fetch_from_source(self, adapter: str) -> dict:
         self.stored.add(adapter)

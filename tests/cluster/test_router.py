@@ -84,6 +84,8 @@ def test_moved_adapter_comes_from_a_peer_and_unloads_only_after_draining():
         fetches = Counter(w[3][:4] for w in world if w[1] == "fetch")
         assert fetches["peer"] >= 1 and fetches["regi"] == len(CATALOG)
         assert sample("loraserve_router_fetch_bytes_total", {"source": "peer"}) == fetches["peer"]
+        assert sample("loraserve_router_peer_fetches_total",
+                      {"transport": "tcp"}) == fetches["peer"]
         assert sample("loraserve_router_fetch_bytes_total",
                       {"source": "registry"}) == fetches["regi"]
     asyncio.run(body())

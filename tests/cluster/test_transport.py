@@ -206,7 +206,7 @@ def test_nixl_protocol_round_trip_with_a_fake_agent(tiny_assets, tmp_path, recor
         address = await server.serve(holder)
         try:
             n = await client.fetch(address, ADAPTER, target)
-            assert n == holder.size_bytes(ADAPTER)
+            assert n == holder.size_bytes(ADAPTER) and client.last_via == "nixl"
             assert _same_tree(holder.path(ADAPTER), target.path(ADAPTER))
             assert client_agent.reads == 1
             for _ in range(500):  # the holder frees its copy once it reads DONE
@@ -240,6 +240,7 @@ def test_nixl_client_uses_tcp_from_a_tcp_peer_with_one_log_line(tiny_assets, tmp
         try:
             for _ in range(2):
                 assert await client.fetch(address, ADAPTER, target) > 0
+                assert client.last_via == "tcp"
             assert _same_tree(holder.path(ADAPTER), target.path(ADAPTER))
             assert agent.reads == 0
             assert records.messages() == [

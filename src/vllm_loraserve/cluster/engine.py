@@ -95,7 +95,8 @@ class Engine:
     async def fetch_from_peer(self, address: str, adapter: str) -> dict:
         t0 = time.perf_counter()
         nbytes = await self.transport.fetch(address, adapter, self.store)
-        return {"bytes": nbytes, "seconds": time.perf_counter() - t0}
+        return {"bytes": nbytes, "seconds": time.perf_counter() - t0,
+                "via": self.transport.last_via}
 
     async def fetch_from_source(self, adapter: str) -> dict:
         t0 = time.perf_counter()

@@ -117,6 +117,10 @@ class RouterMetrics:
         self.fetch_seconds = Histogram("loraserve_router_fetch_seconds", "Adapter fetch "
                                        "latency.", ["source"], registry=r,
                                        buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.peer_fetches = PromCounter("loraserve_router_peer_fetches", "Adapter fetches "
+                                        "from a peer engine, by the transport that moved "
+                                        "them (nixl falls back to tcp).", ["transport"],
+                                        registry=r)
         self.retries = PromCounter("loraserve_router_retries", "Requests retried on another "
                                    "engine before any token was sent.", registry=r)
 
@@ -279,6 +283,8 @@ class RouterCore:
             source = "registry"
             info = await handle.fetch_from_source(adapter)
         self.metrics.fetches.labels(source).inc()
+        if source == "peer":
+            self.metrics.peer_fetches.labels(info.get("via", "unknown")).inc()
         self.metrics.fetch_bytes.labels(source).inc(info["bytes"])
         self.metrics.fetch_seconds.labels(source).observe(info["seconds"])
         await handle.load(adapter)

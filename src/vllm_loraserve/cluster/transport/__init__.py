@@ -30,8 +30,11 @@ class Transport(Protocol):
         ...
 
     async def fetch(self, address: str, adapter: str, store: AdapterStore) -> int:
-        """Copy `adapter` from the peer at `address` into `store`; bytes moved."""
+        """Copy `adapter` from the peer at `address` into `store`; bytes moved.
+        Then, before any other await, `last_via` names the path it took."""
         ...
+
+    last_via: str
 
     async def close(self) -> None: ...
 

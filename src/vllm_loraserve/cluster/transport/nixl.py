@@ -204,7 +204,9 @@ class NixlTransport(TcpTransport):
                         self._fell_back.add(address)
                         logger.warning("peer %s does not serve nixl (%s): using tcp from it",
                                        address, rest[:80])
-                    return await super().fetch(address, adapter, store)
+                    n = await super().fetch(address, adapter, store)
+                    self.last_via = "tcp"
+                    return n
                 if status != "OK":
                     raise RuntimeError(f"peer {address} could not send {adapter!r}: {rest}")
                 n = int(rest)
@@ -217,6 +219,7 @@ class NixlTransport(TcpTransport):
             finally:
                 writer.close()
         await asyncio.to_thread(store.put_tar, adapter, pack(adapter, files))
+        self.last_via = "nixl"  # set with no await before the caller reads it
         return sum(len(d) for _, d in files)
 
     async def _read(self, manifest: dict) -> list[tuple[str, bytes]]:
@@ -261,7 +264,11 @@ class NixlTransport(TcpTransport):
 
 
 def make_agent() -> Any:
-    """A NIXL agent with the UCX backend (vLLM's KV connector's default)."""
+    """A NIXL agent with the UCX backend (vLLM's KV connector's default).
+    UCX's transports default to the set measured on an H200 pair
+    (../shared/device/README.md): CUDA IPC and copies, and TCP, which UCX
+    needs to wire up (without it the backend does not start)."""
+    os.environ.setdefault("UCX_TLS", "cuda_ipc,cuda_copy,tcp")
     from nixl._api import nixl_agent, nixl_agent_config
 
     return nixl_agent(f"loraserve-{uuid.uuid4().hex[:12]}", nixl_agent_config(backends=["UCX"]))

@@ -19,6 +19,7 @@ BAD_REQUEST = "bad request"  # the start of the error for a verb the server does
 
 class TcpTransport:
     name = "tcp"
+    last_via = "tcp"  # the path the latest fetch took (nixl.py may fall back to this one)
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.host = host
