@@ -19,6 +19,18 @@ if (( !ready )); then
 fi
 # shellcheck disable=SC1091
 source "$vb/env.sh"
+# The bundle's unpacking drops the executable bit of Ray's own binaries
+# (gcs_server, raylet: "Permission denied" at ray.init): give it back to
+# every ELF file under ray/.
+python3 - "$vb/site/ray" <<'PY'
+import os, stat, sys
+for d, _, files in os.walk(sys.argv[1]):
+    for f in files:
+        p = os.path.join(d, f)
+        with open(p, "rb") as fh:
+            if fh.read(4) == b"\x7fELF":
+                os.chmod(p, os.stat(p).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+PY
 # The csrc/ op (setup.py) is not built here: nothing these calls run uses it,
 # and nvcc would take device time (tests/gpu/test_assist_ops_gpu.py builds it).
 LORASERVE_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 3
