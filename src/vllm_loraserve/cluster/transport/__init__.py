@@ -7,8 +7,8 @@ from a peer into a store. Implementations are chosen by name:
   TCP connection on loopback (or the engines' network);
 - `nixl` (nixl.py): the new holder READs the adapter from the holder's GPU
   memory through NIXL (CUDA IPC within a host, GPUDirect RDMA across hosts).
-  Not verified on a GPU yet. Where NIXL or a CUDA device is missing, the
-  engine uses tcp and says why in one log line.
+  Run on one H200 only (see nixl.py). Where NIXL or a CUDA device is missing,
+  the engine uses tcp and says why in one log line.
 """
 
 from __future__ import annotations

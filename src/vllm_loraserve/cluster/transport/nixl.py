@@ -3,9 +3,11 @@ from the holder's GPU memory (NIXL, the transfer library of vLLM's KV
 connectors, vllm/distributed/kv_transfer/kv_connector/v1/nixl/: CUDA IPC
 within a host, GPUDirect RDMA across hosts, as NIXL's UCX backend picks).
 
-NOT VERIFIED: this path has not run on a GPU yet (only its pure parts and the
-fallback are tested, on CPU), and cross-host RDMA cannot be verified on the
-project's machines, which have no RDMA NIC. `NixlTransport` logs both once.
+Run on one H200 (2026-11-25, docs/benchmarks/cluster-gpu.md): an adapter
+moved between two engines sharing the GPU and answered the same there, but
+the READ ran at about 0.5 GB/s (UCX used no CUDA IPC on that machine), slower
+than tcp end to end. Cross-host GPUDirect RDMA cannot be verified on the
+project's machines, which have no RDMA NIC. `NixlTransport` logs this once.
 
 The TCP port (tcp.py) carries the control messages, with one more verb:
 
@@ -42,8 +44,9 @@ from vllm_loraserve.cluster.store import AdapterStore, check_name
 from vllm_loraserve.cluster.transport.tcp import BAD_REQUEST, MAX_ADAPTER_BYTES, TcpTransport
 
 logger = logging.getLogger(f"vllm.{__name__}")
-UNVERIFIED = ("nixl transport: not verified on a GPU yet; cross-host GPUDirect RDMA is "
-              "unverified (no RDMA NIC on the project's machines)")
+UNVERIFIED = ("nixl transport: measured only between processes on one GPU, where it moved "
+              "0.5 GB/s (no CUDA IPC there); cross-host GPUDirect RDMA is unverified (no RDMA "
+              "NIC on the project's machines)")
 MEMORY = "VRAM"
 # One descriptor per chunk, so NIXL can spread a large file over its backend's
 # worker threads (nixl_agent_config num_threads) instead of one long request.
