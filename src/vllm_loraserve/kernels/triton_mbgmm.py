@@ -329,8 +329,12 @@ class TritonBackend:
 
     def __init__(self, shrink_tiles=shrink_tiles, expand_tiles=expand_tiles,
                  grad_tiles=grad_tiles) -> None:
+        """The tile functions must depend on a batch's `block_m` and
+        `max_blocks` only (and the size given): a shrink's launch is kept per
+        those, since every layer's shrink and expand of a step ask for it."""
         self._shrink_tiles, self._expand_tiles = shrink_tiles, expand_tiles
         self._grad_tiles = grad_tiles
+        self._launches: dict[tuple, tuple[Tiles, int, tuple[int, int, int]]] = {}
 
     def page_writer(self, pages: list[torch.Tensor]):
         """Writes a load's pages of every layer in one launch (the torch
@@ -360,13 +364,17 @@ class TritonBackend:
                        device: torch.device) -> tuple[Tiles, int, tuple[int, int, int]]:
         """Tiles, split-K and grid of a shrink; (block_m, tiles, split-K) is
         what Triton compiles a variant for (`warm_up`)."""
-        t = self._shrink_tiles(batch, k)
-        rank_blocks = triton.cdiv(max_rank, t.block_n)
-        split_k = t.split_k or auto_split_k(k, t.block_k, batch.max_blocks * rank_blocks * count,
-                                            device)
-        grid = (block_programs(batch.max_blocks, split_k * rank_blocks * count,
-                               device) * split_k, rank_blocks, count)
-        return t, split_k, grid
+        key = (batch.block_m, batch.max_blocks, max_rank, k, count, device)
+        launch = self._launches.get(key)
+        if launch is None:
+            t = self._shrink_tiles(batch, k)
+            rank_blocks = triton.cdiv(max_rank, t.block_n)
+            split_k = t.split_k or auto_split_k(k, t.block_k,
+                                                batch.max_blocks * rank_blocks * count, device)
+            grid = (block_programs(batch.max_blocks, split_k * rank_blocks * count,
+                                   device) * split_k, rank_blocks, count)
+            launch = self._launches[key] = (t, split_k, grid)
+        return launch
 
     def _shrink(self, x, pool, h, batch, slots, layout, k, width, seg0, count) -> None:
         """h[s, t, :rank] = x[t] @ (rows of segment seg0 + 2s).T for s < count;
