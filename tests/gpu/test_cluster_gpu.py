@@ -32,6 +32,8 @@ import pytest
 from vllm_loraserve.demo.assets import ALL_TARGETS, build_model, make_adapter, module_dims
 from vllm_loraserve.process import free_port
 
+from ..e2e.test_cluster import wait_for
+
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 LOGPROB_TOL = 0.05  # bf16: the same kernels on the same GPU, batch of one
 NEAR_TIE = 0.1  # tokens may differ only where the top two logprobs were this close
@@ -50,16 +52,6 @@ def _skip_reason() -> str | None:
         if importlib.util.find_spec(module) is None:
             return f"{module} is not installed (the cluster bundle carries it)"
     return None
-
-
-def _wait(predicate, timeout: float, what: str, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def _metric(text: str, name: str, labels: str) -> float:
@@ -118,7 +110,7 @@ def cluster(tmp_path_factory):
         except httpx.HTTPError:
             return False
     try:
-        _wait(ready, 600, "the router")
+        wait_for(ready, 600, "the router")
         yield url, log
     finally:
         os.killpg(proc.pid, signal.SIGINT)
@@ -144,14 +136,14 @@ def test_an_adapter_migrates_over_nixl_and_answers_the_same(cluster):
     records = []
     for name, rank in ADAPTERS.items():
         place(name, 0)
-        _wait(lambda n=name: held_only_by(n, 0), 300, f"{name} on engine 0 alone")
+        wait_for(lambda n=name: held_only_by(n, 0), 300, f"{name} on engine 0 alone")
         engine, *before = _complete(url, name)
         assert engine == 0
         metrics0 = httpx.get(f"{url}/metrics", timeout=30).text
         t0 = time.monotonic()
         place(name, 1)
         # The first request engine 1 answers for it: the end of the migration.
-        first = _wait(lambda n=name, t0=t0: _complete(url, n)[0] == 1 and time.monotonic() - t0,
+        first = wait_for(lambda n=name, t0=t0: _complete(url, n)[0] == 1 and time.monotonic() - t0,
                       300, f"{name} answered by engine 1", interval=0.05)
         engine, *after = _complete(url, name)
         assert engine == 1
