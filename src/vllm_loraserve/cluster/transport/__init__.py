@@ -8,7 +8,8 @@ from a peer into a store. Implementations are chosen by name:
 - `nixl` (nixl.py): the new holder READs the adapter from the holder's GPU
   memory through NIXL (CUDA IPC within a host, GPUDirect RDMA across hosts).
   Not verified on a GPU yet. Where NIXL or a CUDA device is missing, the
-  engine uses tcp and says why in one log line.
+  engine uses tcp and says why in one log line; so does a fetch from a peer
+  without NIXL, or one whose NIXL offer or READ fails (nixl.py).
 """
 
 from __future__ import annotations
