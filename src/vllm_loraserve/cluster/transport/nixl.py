@@ -48,9 +48,9 @@ logger = logging.getLogger(f"vllm.{__name__}")
 UNVERIFIED = ("nixl transport: not verified on a GPU yet; cross-host GPUDirect RDMA is "
               "unverified (no RDMA NIC on the project's machines)")
 NIXL_FAILED = "nixl failed"  # the start of a holder's error that sends the client to tcp
-# Files are cut into descriptors of at most this size; both ends cut the
-# same way (`chunks`). NIXL posts each descriptor to its backend as one
-# request, so a large file is not one long copy (not measured against one).
+# Files are cut into descriptors of at most this size (both ends cut the
+# same way, `chunks`), so a large file need not reach the backend as one
+# request; not measured against one descriptor per file.
 CHUNK_BYTES = 64 << 20
 XFER_TIMEOUT_S = 120.0
 HOLD_TIMEOUT_S = 300.0  # the holder frees a staged copy no client finished reading
