@@ -49,6 +49,20 @@ def test_store_tar_round_trip_and_rejects_foreign_paths(tiny_assets, tmp_path):
     assert dst.names() == []
 
 
+def test_store_put_files_writes_whole_adapters_and_refuses_foreign_paths(tmp_path):
+    store = AdapterStore(str(tmp_path / "s"))
+    store.put_files("a", [("adapter_config.json", b"{}"), ("sub/w.bin", memoryview(b"xyz"))])
+    assert (tmp_path / "s" / "a" / "sub" / "w.bin").read_bytes() == b"xyz"
+    store.put_files("a", [("adapter_config.json", b"{1}")])  # replaces the whole adapter
+    assert sorted(os.listdir(store.path("a"))) == ["adapter_config.json"]
+    for bad in ("../b/x", "/etc/x", "sub/../../x", "."):
+        with pytest.raises(ValueError, match="outside"):
+            store.put_files("b", [("ok.json", b"{}"), (bad, b"x")])
+    with pytest.raises(ValueError, match="no files"):
+        store.put_files("b", [])
+    assert store.names() == ["a"] and not (tmp_path / "b").exists()
+
+
 def test_adapters_with_files_outside_their_roots_are_not_copied_or_sent(tiny_assets, tmp_path):
     """A file symlinked out of the roots is read by neither the source's copy
     (shutil.copytree follows links) nor the store's tar for a peer."""

@@ -125,32 +125,35 @@ def test_a_holders_bad_manifest_is_refused(files, regions, message):
 
 
 class FakeAgent:
-    """NIXL's agent calls as nixl.py makes them, in one process: a READ
-    copies host memory with memmove, after checking that both ends lie in
-    memory their agents have registered at that moment."""
+    """NIXL 1.5.1's agent calls as nixl.py makes them (nixl_cu13/_api.py's
+    signatures), in one process: a READ copies host memory with memmove,
+    after checking that both ends lie in memory their agents have registered
+    at that moment (test_nixl_agent.py runs the real agent)."""
 
     by_metadata: dict[bytes, FakeAgent] = {}
 
-    def __init__(self) -> None:
+    def __init__(self, memory: str = "DRAM", fail_read: bool = False) -> None:
+        self.memory, self.fail_read = memory, fail_read
         self.metadata = os.urandom(8)
         FakeAgent.by_metadata[self.metadata] = self
         self.registered: list[tuple[int, int, int]] = []
         self.remotes: dict[str, FakeAgent] = {}
         self.reads = 0
+        self.handles = 0  # transfer handles not released yet
 
-    def get_reg_descs(self, descs, mem):
-        assert mem == "VRAM" and all(len(d) == 4 for d in descs)
-        return [d[:3] for d in descs]
-
-    def get_xfer_descs(self, descs, mem):
-        assert mem == "VRAM" and all(len(d) == 3 for d in descs)
+    def get_xfer_descs(self, descs, mem_type=None):
+        assert mem_type == self.memory and all(len(d) == 3 for d in descs)
         return list(descs)
 
-    def register_memory(self, descs):
+    def register_memory(self, reg_list, mem_type=None, backends=()):
+        assert mem_type == self.memory and all(len(d) == 4 for d in reg_list)
+        assert reg_list, "the real get_reg_descs fails on an empty list"
+        descs = [d[:3] for d in reg_list]
         self.registered += descs
+        return descs
 
-    def deregister_memory(self, descs):
-        for d in descs:
+    def deregister_memory(self, dereg_list, backends=()):
+        for d in dereg_list:
             self.registered.remove(d)
 
     def get_agent_metadata(self):
@@ -162,18 +165,22 @@ class FakeAgent:
         self.remotes[name] = FakeAgent.by_metadata[metadata]
         return name
 
-    def remove_remote_agent(self, name):
-        del self.remotes[name]
+    def remove_remote_agent(self, agent):
+        del self.remotes[agent]
 
     def _inside(self, addr, n):
         return any(a <= addr and addr + n <= a + size for a, size, _ in self.registered)
 
-    def initialize_xfer(self, op, local, remote, peer):
-        assert op == "READ" and len(local) == len(remote)
-        return (local, remote, self.remotes[peer])
+    def initialize_xfer(self, operation, local_descs, remote_descs, remote_agent,
+                        notif_msg=b"", backends=()):
+        assert operation == "READ" and len(local_descs) == len(remote_descs)
+        self.handles += 1
+        return (local_descs, remote_descs, self.remotes[remote_agent])
 
-    def transfer(self, handle):
+    def transfer(self, handle, notif_msg=b""):
         local, remote, peer = handle
+        if self.fail_read:
+            return "ERR"
         for (dst, n, _), (src, m, _) in zip(local, remote, strict=True):
             assert n == m and self._inside(dst, n) and peer._inside(src, m)
             ctypes.memmove(dst, src, n)
@@ -184,7 +191,7 @@ class FakeAgent:
         return "DONE"
 
     def release_xfer_handle(self, handle):
-        pass
+        self.handles -= 1
 
 
 def _same_tree(a: str, b: str) -> bool:
@@ -208,7 +215,8 @@ def test_nixl_protocol_round_trip_with_a_fake_agent(tiny_assets, tmp_path, recor
             n = await client.fetch(address, ADAPTER, target)
             assert n == holder.size_bytes(ADAPTER) and client.last_via == "nixl"
             assert _same_tree(holder.path(ADAPTER), target.path(ADAPTER))
-            assert client_agent.reads == 1
+            assert client_agent.reads == 1 and client_agent.handles == 0
+            assert set(client.last_phases) == {"hold_s", "xfer_s", "copy_s", "store_s"}
             for _ in range(500):  # the holder frees its copy once it reads DONE
                 if not holder_agent.registered:
                     break
@@ -244,7 +252,69 @@ def test_nixl_client_uses_tcp_from_a_tcp_peer_with_one_log_line(tiny_assets, tmp
             assert _same_tree(holder.path(ADAPTER), target.path(ADAPTER))
             assert agent.reads == 0
             assert records.messages() == [
-                f"peer {address} does not serve nixl (bad request 'NIXL'): using tcp from it"]
+                f"peer {address} does not serve nixl (bad request 'NIXL'): using tcp"]
         finally:
             await server.close()
     asyncio.run(body())
+
+
+async def _wait_freed(agent: FakeAgent) -> None:
+    for _ in range(500):  # the holder frees its copy once the client hangs up
+        if not agent.registered:
+            return
+        await asyncio.sleep(0.01)
+
+
+def test_a_failed_nixl_read_falls_back_to_tcp_each_time_with_its_reason(tiny_assets, tmp_path,
+                                                                        records):
+    holder = AdapterStore(str(tmp_path / "holder"))
+    holder.copy_in(ADAPTER, os.path.join(tiny_assets, "adapters", ADAPTER))
+    holder_agent, client_agent = FakeAgent(), FakeAgent(fail_read=True)
+    server, client = NixlTransport(holder_agent, "cpu"), NixlTransport(client_agent, "cpu")
+    records.clear()
+
+    async def body():
+        address = await server.serve(holder)
+        try:
+            for i in range(2):
+                target = AdapterStore(str(tmp_path / f"target{i}"))
+                assert await client.fetch(address, ADAPTER, target) > 0
+                assert client.last_via == "tcp"
+                assert _same_tree(holder.path(ADAPTER), target.path(ADAPTER))
+                await _wait_freed(holder_agent)
+                assert holder_agent.registered == [] and client_agent.registered == []
+                assert client_agent.remotes == {} and client_agent.handles == 0
+        finally:
+            await server.close()
+    asyncio.run(body())
+    why = f"nixl READ of {ADAPTER!r} from 127.0.0.1:"
+    logged = records.messages()
+    assert len(logged) == 2 and all(m.startswith(why) for m in logged), logged
+    assert all(m.endswith("failed (RuntimeError: nixl READ from "
+                          f"peer-{holder_agent.metadata.hex()} failed): using tcp")
+               for m in logged), logged
+
+
+def test_a_holder_that_cannot_offer_sends_the_client_to_tcp(tiny_assets, tmp_path, records):
+    holder = AdapterStore(str(tmp_path / "holder"))
+    holder.copy_in(ADAPTER, os.path.join(tiny_assets, "adapters", ADAPTER))
+    target = AdapterStore(str(tmp_path / "target"))
+    server = NixlTransport(FakeAgent(), "cuda:7")  # staging there fails on this machine
+    client = NixlTransport(FakeAgent(), "cpu")
+    records.clear()
+
+    async def body():
+        address = await server.serve(holder)
+        try:
+            assert await client.fetch(address, ADAPTER, target) > 0
+            assert client.last_via == "tcp"
+            assert _same_tree(holder.path(ADAPTER), target.path(ADAPTER))
+        finally:
+            await server.close()
+        return address
+    address = asyncio.run(body())
+    logged = records.messages()
+    assert len(logged) == 2, logged
+    assert logged[0].startswith(f"nixl: cannot offer {ADAPTER!r} (")
+    assert logged[1].startswith(f"peer {address} could not offer {ADAPTER!r} over nixl "
+                                "(nixl failed: ") and logged[1].endswith(": using tcp")

@@ -13,6 +13,7 @@ import io
 import os
 import shutil
 import tarfile
+from collections.abc import Sequence
 
 from vllm_loraserve.adapters.safety import check_name, resolve_adapter_under_roots
 
@@ -55,6 +56,28 @@ class AdapterStore:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(os.path.join(tmp, name), final)
         shutil.rmtree(tmp, ignore_errors=True)
+
+    def put_files(self, name: str, files: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        """Write an adapter from (relative path, bytes) pairs atomically, as
+        `put_tar`; a path that would leave the adapter's directory is refused
+        before anything is written."""
+        tmp = os.path.join(self.root, f".incoming-{name}")
+        targets = []
+        for rel, data in files:
+            full = os.path.normpath(os.path.join(tmp, rel))
+            if os.path.isabs(rel) or not full.startswith(tmp + os.sep):
+                raise ValueError(f"a file of {name!r} lies outside it: {rel!r}")
+            targets.append((full, data))
+        if not targets:
+            raise ValueError(f"no files for {name!r}")
+        final = self.path(name)
+        shutil.rmtree(tmp, ignore_errors=True)
+        for full, data in targets:
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            with open(full, "wb") as f:
+                f.write(data)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
 
     def copy_in(self, name: str, src: str) -> None:
         shutil.copytree(src, self.path(name), dirs_exist_ok=True)

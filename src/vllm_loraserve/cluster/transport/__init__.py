@@ -7,8 +7,9 @@ from a peer into a store. Implementations are chosen by name:
   TCP connection on loopback (or the engines' network);
 - `nixl` (nixl.py): the new holder READs the adapter from the holder's GPU
   memory through NIXL (CUDA IPC within a host, GPUDirect RDMA across hosts).
-  Run on one H200 only (see nixl.py). Where NIXL or a CUDA device is missing,
-  the engine uses tcp and says why in one log line.
+  Run on one H200 (see nixl.py). Where NIXL or a CUDA device is missing, the
+  engine uses tcp and says why in one log line; so does a fetch from a peer
+  without NIXL, or one whose NIXL offer or READ fails (nixl.py).
 """
 
 from __future__ import annotations
