@@ -43,14 +43,15 @@ MODULES = [ModuleSlices.of(LAYOUT, names) for names in
 GROUP = 2  # layers per group: 3 groups
 
 
-def host_adapter(tmp_path, name, rank, targets, seed) -> HostAdapter:
-    """An adapter written as PEFT files and read as the host tier reads it."""
+def host_adapter(tmp_path, name, rank, targets, seed, pin=False) -> HostAdapter:
+    """An adapter written as PEFT files and read as the host tier reads it
+    (into pinned memory with `pin`, as the tier's arena is on a GPU)."""
     dims = {f"model.layers.{layer}.{PATHS[t]}.{t}": DIMS[t]
             for layer in range(LAYERS) for t in targets}
     path = str(tmp_path / name)
     make_adapter(path, dims, rank=rank, alpha=2 * rank, seed=seed, base_model="tiny",
                  strength=2.0)
-    spec, raw = read_weights(path, lambda n: torch.empty(n, dtype=torch.uint8))
+    spec, raw = read_weights(path, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pin))
     where = {m: (int(re.search(r"layers\.(\d+)\.", m).group(1)), short_name(m))
              for m in raw.modules}
     return HostAdapter(name, LAYOUT.place(spec.rank, spec.target_modules), spec.scaling, raw,
