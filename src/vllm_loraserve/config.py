@@ -24,7 +24,7 @@ ADDITIONAL_CONFIG_KEY = "loraserve"
 # other adapter directories or another host budget reuses the compiled model.
 # Every other field is read at run time only (RUNTIME_FIELDS); a new field
 # must join one of the two (tests/worker/test_compile_key.py).
-COMPILE_FIELDS = ("pool", "kernel", "max_slots")
+COMPILE_FIELDS = ("pool", "kernel", "max_slots", "cold_start", "cold_start_group_layers")
 RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads")
 
 
@@ -93,6 +93,33 @@ class LoraServeConfig:
         flag="--loraserve-kernel",
         choices=("auto", "triton", "torch"),
     )
+    cold_start: str = _opt(
+        "block",
+        "How a request starts whose adapter is not in the paged pool yet (its "
+        "adapter's pages are written in the step that first runs it). 'block': "
+        "every layer's pages are written before that step's forward pass starts. "
+        "'pipelined': they are written layer group by layer group on a side "
+        "stream while the forward pass runs, and each layer waits, on the "
+        "device, for its own group only. 'cpu-assist' (Toppings): as "
+        "'pipelined', and until a group's pages have landed the cold adapter's "
+        "LoRA delta for that group's layers is computed on the CPU from the host "
+        "tier's copy and added on the device; that step runs without CUDA graphs, "
+        "and copying each assisted layer's input to the host waits for the device "
+        "(issue 24 item 3 removes that wait). 'block' is the default until the GPU "
+        "benchmark (docs/benchmarks/cold-start.md) shows that another mode wins; "
+        "none of them is measured on a GPU yet.",
+        flag="--loraserve-cold-start",
+        choices=("block", "pipelined", "cpu-assist"),
+    )
+    cold_start_group_layers: int = _opt(
+        4,
+        "Layers per group of a 'pipelined' or 'cpu-assist' page load. A group "
+        "costs a few launches on the side stream per loading adapter and one "
+        "device-side wait per LoRA module of its first layer in every forward "
+        "pass; smaller groups let the first layers start sooner. 4 keeps a "
+        "32-layer model at 8 groups.",
+        flag="--loraserve-cold-start-group-layers",
+    )
 
     def __post_init__(self) -> None:
         for name in ("adapter_dirs", "allowed_roots"):
@@ -104,7 +131,7 @@ class LoraServeConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"loraserve.{f.name} must be one of {list(choices)}, "
                                  f"got {getattr(self, f.name)!r}")
-        for name in ("host_cache_bytes", "read_threads", "max_slots"):
+        for name in ("host_cache_bytes", "read_threads", "max_slots", "cold_start_group_layers"):
             value = getattr(self, name)
             low = 0 if name == "host_cache_bytes" else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < low:

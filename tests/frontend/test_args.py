@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from vllm_loraserve.config import LoraServeConfig
 from vllm_loraserve.frontend import args as cli
 from vllm_loraserve.process import vllm_executable
 
@@ -34,6 +35,19 @@ def test_flags_reach_additional_config(serve_parser, tmp_path):
                                      "--loraserve-adapter-dir", str(tmp_path),
                                      "--loraserve-adapter-dir", "/x"])
     assert ea.additional_config["loraserve"] == {"adapter_dirs": [str(tmp_path), "/x"]}
+
+
+def test_cold_start_flags(serve_parser):
+    ea = _engine_args(serve_parser, ["m", "--plugin", "loraserve", "--enable-lora",
+                                     "--loraserve-cold-start", "cpu-assist",
+                                     "--loraserve-cold-start-group-layers", "2"])
+    assert ea.additional_config["loraserve"] == {"cold_start": "cpu-assist",
+                                                 "cold_start_group_layers": 2}
+    assert LoraServeConfig().cold_start == "block"  # until the GPU benchmark says otherwise
+    with pytest.raises(SystemExit):
+        serve_parser.parse_args(["m", "--plugin", "loraserve", "--loraserve-cold-start", "eager"])
+    with pytest.raises(ValueError, match="cold_start_group_layers must be an integer >= 1"):
+        LoraServeConfig(cold_start_group_layers=0)
 
 
 class _Records(logging.Handler):

@@ -193,7 +193,7 @@ def test_warm_up_launches_every_variant_serving_launches(monkeypatch):
     assert variants == 1 + len(shrinks) == 1 + len(set(shrinks))  # the writer; each once
     # Serving: every token count, through the pool's own path, as captured in
     # a CUDA graph (eager steps skip the launches of empty batches).
-    monkeypatch.setattr(pool_mod, "_capturing", lambda x: True)
+    monkeypatch.setattr(pool_mod, "capturing", lambda x: True)
     launched.clear()
     for num_tokens in range(1, 601):
         pool.set_tokens(np.zeros(num_tokens, dtype=np.int64), ignored_ids=set())

@@ -369,11 +369,12 @@ class RawWeights:
     data: Any  # uint8 tensor
     modules: Mapping[str, tuple[RawTensor, RawTensor]]  # module path -> (A, B)
 
-    def tensors(self, data: Any = None) -> dict[str, tuple[Any, Any]]:
+    def tensors(self, data: Any = None, names: Any = None) -> dict[str, tuple[Any, Any]]:
         """Module path -> (A, B), views of `data` (default: this buffer, or a
-        copy of it on another device)."""
+        copy of it on another device), of the modules `names` (default: all)."""
         data = self.data if data is None else data
-        return {m: tuple(_view(data, t) for t in ab) for m, ab in self.modules.items()}
+        names = self.modules if names is None else names
+        return {m: tuple(_view(data, t) for t in self.modules[m]) for m in names}
 
 
 def _view(data: Any, t: RawTensor) -> Any:

@@ -88,6 +88,12 @@ class Metrics:
             "Adapter page loads whose adapter was already in the host tier (hit: read "
             "ahead or kept) or had to be read during the step (miss).", ["result"],
             registry=r)
+        self.pool_groups = Counter(
+            "loraserve_pool_layer_groups",
+            "Layer groups of cold adapters' page loads (--loraserve-cold-start): written "
+            "beside the forward pass (written), and among them those whose LoRA delta "
+            "was computed on the CPU until their pages landed (assisted).", ["kind"],
+            registry=r)
         self.adapter_wait_seconds = Histogram(
             "loraserve_adapter_wait_seconds",
             "Time a request waited in the queue for its adapter to be read into the host "
@@ -115,6 +121,8 @@ class Metrics:
         self.pool_host_bytes.set(pool.host_bytes)
         self._advance(self.pool_prefetch, pool.prefetch_hits, "hit")
         self._advance(self.pool_prefetch, pool.prefetch_misses, "miss")
+        self._advance(self.pool_groups, pool.pipelined_groups, "written")
+        self._advance(self.pool_groups, pool.assisted_groups, "assisted")
 
     def record_waits(self, seconds: Iterable[float]) -> None:
         for s in seconds:

@@ -11,6 +11,10 @@ identical in 0.26 and 0.27). Only when the plugin is active for this engine:
 - with `--loraserve-pool vllm`, vLLM's manager stays, the residency tracker
   watches it and, on the CPU platform, the no-adapter fix for the CPU LoRA
   ops is installed.
+With `--loraserve-cold-start cpu-assist`, a step whose cold adapters are
+CPU-assisted is run eagerly: vLLM's V1 runner decides each step's CUDA
+graph mode in `_determine_batch_execution_and_padding`, whose `force_eager`
+(vLLM's own, for profiling and warm-up runs) the patch sets for that step.
 The V1 runner classes are patched (the CPU runner subclasses GPU V1). With
 the pool, vLLM is kept on its V1 runner: `VllmConfig` lists the pool among
 the features its V2 runner lacks, so vLLM logs that and picks V1.
@@ -118,7 +122,11 @@ def _make_execute_model(execute_model):
 
         manager.apply_step(getattr(scheduler_output, STEP_ATTR, None),
                            idle=scheduler_output.total_num_scheduled_tokens == 0)
-        return _with_report(manager, execute_model(self, scheduler_output, *a, **kw))
+        try:
+            out = execute_model(self, scheduler_output, *a, **kw)
+        finally:
+            manager.end_forward()  # before the report: a load may fail in the forward pass
+        return _with_report(manager, out)
 
     return patched
 
@@ -128,6 +136,16 @@ def _make_sample_tokens(sample_tokens):
         out = sample_tokens(self, *a, **kw)
         manager = _paged_manager(self)
         return out if manager is None else _with_report(manager, out)
+
+    return patched
+
+
+def _make_determine_batch_execution(determine):
+    def patched(self, *a, **kw):
+        manager = _paged_manager(self)
+        if manager is not None and manager.force_eager:
+            kw["force_eager"] = True
+        return determine(self, *a, **kw)
 
     return patched
 
@@ -170,3 +188,5 @@ def install() -> None:
     wrap(GPUModelRunner, "initialize_kv_cache", _make_initialize_kv_cache)
     wrap(GPUModelRunner, "execute_model", _make_execute_model)
     wrap(GPUModelRunner, "sample_tokens", _make_sample_tokens)
+    wrap(GPUModelRunner, "_determine_batch_execution_and_padding",
+         _make_determine_batch_execution)

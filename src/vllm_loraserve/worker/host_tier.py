@@ -75,6 +75,18 @@ class HostAdapter:
     weights: RawWeights  # its data is a view of the entry's extent
     where: dict[str, tuple[int, str]]  # module path -> (layer, slice name), checked on read
 
+    def layer_weights(self, layers: range, data: torch.Tensor | None = None
+                      ) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Per layer of `layers`: slice name -> (A [r, in], B [out, r]),
+        views of `data` (the file's bytes, e.g. copied to a device; default:
+        the tier's own)."""
+        names = [name for name, (layer, _) in self.where.items() if layer in layers]
+        out: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in layers]
+        for name, ab in self.weights.tensors(data, names).items():
+            layer, short = self.where[name]
+            out[layer - layers.start][short] = ab
+        return out
+
 
 class Readable(Protocol):
     """What the tier needs of a request (vLLM's LoRARequest has it)."""

@@ -30,6 +30,10 @@ warm-up calls). Differences from vLLM:
   fails its requests; the engine goes on.
 - Embedding and lm_head adapters are not wrapped, so the API server's checks
   refuse adapters that target them (HTTP 400, naming the module).
+- `--loraserve-cold-start` (worker/cold_start.py): `block` loads a step's
+  adapters whole before its forward pass; `pipelined` and `cpu-assist` hand
+  the loads that are not ahead to a `ColdStart`, which writes them layer
+  group by layer group beside the forward pass.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ from vllm_loraserve.paging.layout import pack_layers
 from vllm_loraserve.paging.model import max_file_bytes, model_layout, module_slice_names
 from vllm_loraserve.paging.step import PageLoad, PoolReport, PoolStep, Prefetch
 from vllm_loraserve.worker.arena import PinnedArena
+from vllm_loraserve.worker.assist import CpuAssist
+from vllm_loraserve.worker.cold_start import ColdStart, layer_groups
 from vllm_loraserve.worker.host_tier import Alloc, HostAdapter, HostTier
 from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker.pool import DevicePool
@@ -145,6 +151,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self.load_pack_s = self.load_write_s = 0.0
         self._events: deque[LoadEvent] = deque(maxlen=MAX_BUFFERED_EVENTS)
         self.dropped_events = 0
+        self.cold: ColdStart | None = None  # made with the pool, unless cold_start is block
 
     # -- model wrapping -----------------------------------------------------
     def create_lora_manager(self, model: torch.nn.Module, vllm_config: Any) -> Any:
@@ -179,10 +186,20 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                     f"-> {ms.out_features} (use --loraserve-pool vllm)")
             layers.append((module, extract_layer_index(name), ms))
         self._module_kinds = {ms for _, _, ms in layers}
+        mode = self.cfg.cold_start
+        groups = () if mode == "block" else layer_groups(self.num_layers,
+                                                         self.cfg.cold_start_group_layers)
         self.pool = DevicePool(layout.slices, self.num_layers, self.lora_config.max_lora_rank,
                                self.max_num_batched_tokens, self.cfg.max_slots,
                                max(ms.count for _, _, ms in layers), backend,
-                               torch.device(self.device))
+                               torch.device(self.device), layer_groups=groups)
+        if mode != "block":
+            self.cold = ColdStart(mode, self.pool, torch.device(self.device), self._side,
+                                  self._device_streams, self._fail_load, self._cold_loaded,
+                                  CpuAssist() if mode == "cpu-assist" else None)
+            self.pool.gate = self.cold
+            logger.info("vllm-loraserve cold start: %s, %d layer groups of %d layers", mode,
+                        len(groups), self.cfg.cold_start_group_layers)
         # Before vLLM compiles the model: its trace must see these wrappers.
         for module, layer, ms in layers:
             module.set_mapping(PagedLinearLoRA(self.pool, layer, ms))
@@ -193,6 +210,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self.pool.bind(kv_caches)
         t0 = time.perf_counter()
         variants = self.pool.warm_up(self._module_kinds)
+        if self.cold is not None:
+            self.cold.warm_up()
         logger.info("vllm-loraserve pool bound: %d layers, %d pages of %d elements, %s kernels "
                     "(%d variants warmed up in %.1f s)", self.num_layers, kv_caches[0].shape[0],
                     self.pool.layout.page_size, type(self.pool.backend).__name__, variants,
@@ -254,25 +273,27 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         placement = layout.place(spec.rank, spec.target_modules)
         return HostAdapter(lora_request.lora_name, placement, spec.scaling, raw, where)
 
-    def _device_streams(self, entry: HostAdapter) -> torch.Tensor:
-        """The entry's page streams ([layers, pages * page_size]) on the
-        device: one host-to-device copy of the file's bytes, then A copied
-        and B transposed and scaled there for all layers at once
-        (pack_layers), on the current stream."""
-        data = entry.weights.data.to(self.device, non_blocking=True)
-        per_layer: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
-            {} for _ in range(self.num_layers)]
-        for name, ab in entry.weights.tensors(data).items():
-            layer, short = entry.where[name]
-            per_layer[layer][short] = ab
-        return pack_layers(self.pool.layout, entry.placement, per_layer, entry.scaling,
-                           self.lora_config.lora_dtype)
+    def _device_streams(self, entry: HostAdapter, layers: range | None = None,
+                        data: torch.Tensor | None = None) -> torch.Tensor:
+        """The entry's page streams ([layers, pages * page_size]) of
+        `layers` (default: all) on the device: one host-to-device copy of
+        the file's bytes (unless `data` holds them there already: a layer
+        group's load copies its own), then A copied and B transposed and
+        scaled there for those layers at once (pack_layers), on the current
+        stream."""
+        if data is None:
+            data = entry.weights.data.to(self.device, non_blocking=True)
+        layers = range(self.num_layers) if layers is None else layers
+        return pack_layers(self.pool.layout, entry.placement, entry.layer_weights(layers, data),
+                           entry.scaling, self.lora_config.lora_dtype)
 
     # -- the scheduler's page decisions ---------------------------------------
     def apply_step(self, step: PoolStep | None, idle: bool = False) -> None:
         """Carry out the scheduler's page decisions before the forward pass.
         `idle`: the step runs no tokens (every waiting request's adapter is
         still being read); wait briefly for a read instead of spinning."""
+        if self.cold is not None:  # the last step's group loads are in place
+            self.cold.begin_step()
         if self._side is not None:  # the last steps' loads ahead are in place first
             torch.cuda.current_stream().wait_stream(self._side)
         self.host.set_keep(step.keep if step else ())
@@ -280,9 +301,25 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             if step:
                 self._apply(step)
         finally:
-            self.host.end_step()  # this step's copies from the tier are all issued
+            if self.cold is None:
+                self.host.end_step()  # this step's copies from the tier are all issued
         if idle:
             self.host.wait_for_a_read(timeout=0.005)
+
+    def end_forward(self) -> None:
+        """The step's forward pass is queued (worker/hooks.py, before the
+        step's report). With layer-group loads, the forward pass read the host
+        tier (CPU deltas, the host lane's copies): the tier's epoch closes
+        only now, and the host lane writes what no layer waited for, so a
+        load that fails there is in this step's report."""
+        if self.cold is not None:
+            self.cold.end_forward()
+            self.host.end_step()
+
+    @property
+    def force_eager(self) -> bool:
+        """The step just applied must run without CUDA graphs (worker/hooks.py)."""
+        return self.cold is not None and self.cold.force_eager
 
     def _apply(self, step: PoolStep) -> None:
         if self.pool.layout is None:
@@ -295,6 +332,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             self.pool.evict(slot)
         self.page_evictions += len(step.evicted)
         self.page_loads += len(step.loads)
+        ready = []
         for load in step.loads:
             lr = load.lora_request
             hit = False
@@ -315,6 +353,16 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             finally:
                 self.prefetch_hits += hit
                 self.prefetch_misses += not hit
+            ready.append((load, entry))
+        if self.cold is not None:
+            # Layer groups first: on a GPU they queue on the side stream ahead
+            # of the loads ahead, which no layer of this step waits for.
+            cold = [(load, entry) for load, entry in ready if not load.ahead]
+            if cold:
+                self.cold.load(cold)
+            ready = [(load, entry) for load, entry in ready if load.ahead]
+        for load, entry in ready:
+            lr = load.lora_request
             t0 = time.perf_counter()
             try:
                 if load.ahead and self._side is not None:
@@ -345,6 +393,11 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             logger.error("vllm-loraserve: adapter %s (id %d) cannot be loaded: %s",
                          lr.lora_name, lr.lora_int_id, reason)
         self.pool.evict(load.slot)
+
+    def _cold_loaded(self, load: PageLoad, seconds: float) -> None:
+        """A load by layer groups wrote its last group (`seconds`: host time
+        spent on its groups)."""
+        self._record(load.lora_request.lora_int_id, "gpu", seconds)
 
     def _load(self, load: PageLoad, entry: HostAdapter) -> None:
         t0 = time.perf_counter()
@@ -408,11 +461,13 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             if drain_events:
                 self._waits.clear()
             host_ids, host_bytes = self.host.ids(), self.host.bytes_used
-        pool = self.pool
+        pool, cold = self.pool, self.cold
+        pack_s = self.load_pack_s + (cold.pack_s if cold else 0.0)
+        write_s = self.load_write_s + (cold.write_s if cold else 0.0)
         counters = PoolCounters(
             page_loads=self.page_loads, page_evictions=self.page_evictions,
-            page_loads_ahead=self.page_loads_ahead, load_pack_s=round(self.load_pack_s, 4),
-            load_write_s=round(self.load_write_s, 4), adapter_pages=pool.pages_held,
+            page_loads_ahead=self.page_loads_ahead, load_pack_s=round(pack_s, 4),
+            load_write_s=round(write_s, 4), adapter_pages=pool.pages_held,
             total_pages=pool.pages[0].shape[0] if pool.pages else 0,
             page_size=pool.layout.page_size if pool.layout else 0,
             peak_batch_adapters=pool.peak_batch_adapters, adapter_steps=pool.adapter_steps,
@@ -420,7 +475,10 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             adapter_step_ranks=pool.adapter_step_ranks,
             adapter_step_bytes=pool.adapter_step_bytes, host_bytes=host_bytes,
             host_adapters=len(host_ids), host_budget=self.host.budget,
-            prefetch_hits=self.prefetch_hits, prefetch_misses=self.prefetch_misses)
+            prefetch_hits=self.prefetch_hits, prefetch_misses=self.prefetch_misses,
+            cold_start=self.cfg.cold_start,
+            pipelined_groups=cold.pipelined_groups if cold else 0,
+            assisted_groups=cold.assisted_groups if cold else 0)
         return ResidencyReport(
             gpu=tuple(gpu), host=tuple(sorted(set(host_ids) - set(gpu))), events=events,
             dropped_events=self.dropped_events, pages={i: pool.pages_of(i) for i in gpu},

@@ -21,14 +21,23 @@ layer input of more than `SMALL_BATCH` rows can take the second launch, so
 which launches a layer makes depends on its row count only, the same at
 capture and at replay.
 
+A load writes every layer's pages at once (`load`), or, for a pipelined or
+CPU-assisted cold start (worker/cold_start.py), takes its slot first
+(`begin_load`) and writes its layer groups one by one (`write_group`); a
+`LayerGate` then runs beside each layer's kernels (waits for the layer's
+group, CPU deltas), and a slot can be hidden from the kernels while its
+pages are written (`hide`, `show`).
+
 Invariant: a token's adapter id maps to a slot only if that adapter's pages
-were written in this or an earlier step; a real adapter id without a slot is
-an error, never silently served without its adapter.
+were written in this or an earlier step, or are being written in this step
+under a gate that orders each layer after its group's writes; a real adapter
+id without a slot is an error, never silently served without its adapter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -67,7 +76,21 @@ class _Resident:
     weight_bytes: int
 
 
-def _capturing(x: torch.Tensor) -> bool:
+class LayerGate(Protocol):
+    """What runs beside each paged LoRA layer of a step (worker/cold_start.py)."""
+
+    def set_tokens(self, token_slots: np.ndarray) -> None:
+        """The step's token -> slot map (-1: no adapter)."""
+
+    def before_layer(self, layer: int, x: torch.Tensor) -> None:
+        """Before the layer's kernels read its pages."""
+
+    def after_layer(self, layer: int, module: ModuleSlices, x: torch.Tensor,
+                    y: torch.Tensor) -> None:
+        """After the layer's kernels added into y."""
+
+
+def capturing(x: torch.Tensor) -> bool:
     """A CUDA graph is being captured on x's stream: it must hold every launch
     a later replay may need, so no launch is skipped for an empty batch."""
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -90,8 +113,13 @@ class DevicePool:
 
     def __init__(self, slices: tuple[SliceSpec, ...], num_layers: int, max_rank: int,
                  max_tokens: int, max_slots: int, max_slices: int, backend: str,
-                 device: torch.device, large_rule: str = "split") -> None:
+                 device: torch.device, large_rule: str = "split",
+                 layer_groups: tuple[range, ...] = ()) -> None:
+        """`layer_groups`: the layer ranges `write_group` writes (none: every
+        load writes all layers at once)."""
         self.slices, self.num_layers, self.max_rank = slices, num_layers, max_rank
+        self.layer_groups = layer_groups
+        self.gate: LayerGate | None = None
         self.device, self.max_slots = device, max_slots
         self.backend = get_backend(backend)
         self.layout: LayerLayout | None = None
@@ -154,6 +182,8 @@ class DevicePool:
                                      self.device)
         self.pages = [page_view(kv, self.layout.page_size) for kv in kv_caches]
         self._write_pages = self.backend.page_writer(self.pages)
+        self._group_writers = [self.backend.page_writer(self.pages[g.start:g.stop])
+                               for g in self.layer_groups]
 
     def evict(self, slot: int) -> None:
         entry = self.slots.pop(slot, None)
@@ -165,22 +195,46 @@ class DevicePool:
              page_ids: tuple[int, ...], streams: torch.Tensor) -> None:
         """Write an adapter's per-layer streams ([layers, pages * page_size])
         into its pages of every layer, and give it `slot`."""
+        # On the current stream: ordered after every kernel that read these
+        # pages before (as KV or as another adapter) and before this step's.
+        # The slot's table row goes first: the page writes read their ids from it.
+        self.begin_load(slot, lora_id, placement, page_ids)
+        self._write_pages(self.table.pages[slot, :len(page_ids)], streams)
+
+    def begin_load(self, slot: int, lora_id: int, placement: AdapterPlacement,
+                   page_ids: tuple[int, ...]) -> None:
+        """Give an adapter `slot` and write its table row (on the current
+        stream), before its pages: `load` or `write_group` write those."""
         assert self.pages is not None, "the pool is not bound to the KV cache yet"
         if len(page_ids) != placement.num_pages:
             raise ValueError(f"{len(page_ids)} pages for an adapter that needs "
                              f"{placement.num_pages}")
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"slot {slot} outside the table's {self.max_slots} slots")
-        # On the current stream: ordered after every kernel that read these
-        # pages before (as KV or as another adapter) and before this step's.
-        # The slot's table row goes first: the page writes read their ids from it.
         self.evict(slot)
         self.table.write(slot, placement, page_ids)
-        self._write_pages(self.table.pages[slot, :len(page_ids)], streams)
         weight_bytes = (self.layout.weight_elements(placement) * self.num_layers
                         * self.pages[0].element_size())
         self.slots[slot] = _Resident(lora_id, placement, page_ids, weight_bytes)
         self.slot_of[lora_id] = slot
+
+    def write_group(self, slot: int, group: int, streams: torch.Tensor) -> None:
+        """Write the pages of layer group `group` (`layer_groups[group]`;
+        `streams`: one row per layer of it) of the adapter `begin_load` put in
+        `slot`, on the current stream, which must be ordered after that
+        table row's write."""
+        page_ids = self.slots[slot].page_ids
+        self._group_writers[group](self.table.pages[slot, :len(page_ids)], streams)
+
+    def hide(self, slot: int) -> None:
+        """The kernels skip `slot`'s tokens (its row: rank 0, no segments)
+        until `show`, on the current stream; it keeps its adapter and pages."""
+        self.table.clear(slot)
+
+    def show(self, slot: int) -> None:
+        """The kernels read `slot` again (its row written back)."""
+        resident = self.slots[slot]
+        self.table.write(slot, resident.placement, resident.page_ids)
 
     def pages_of(self, lora_id: int) -> int:
         return len(self.slots[self.slot_of[lora_id]].page_ids)
@@ -213,6 +267,8 @@ class DevicePool:
         token_slots = np.where(ids > 0, lut[np.maximum(ids, 0)], -1)
         self._batches = {key: buf.fill(self._token_set(key[0], token_slots))
                          for key, buf in self._buffers.items()}
+        if self.gate is not None:
+            self.gate.set_tokens(token_slots)
 
     @staticmethod
     def _token_set(name: str, token_slots: np.ndarray) -> np.ndarray:
@@ -256,11 +312,15 @@ class DevicePool:
             return
         h = self.h[:module.count, :x.shape[0]]
         pool = self.pages[layer]
-        capturing = _capturing(x)
+        graph = capturing(x)
+        if self.gate is not None:
+            self.gate.before_layer(layer, x)
         # The batchings hold disjoint tokens. Each expand runs before the next
         # shrink: a split-K shrink zeroes all of h first.
         for batch in self._batches_for(x.shape[0]):
-            if batch.num_blocks == 0 and not capturing:
+            if batch.num_blocks == 0 and not graph:
                 continue  # eager: nothing to do (a graph keeps every launch)
             self.backend.shrink(x, pool, h, batch, self.table, module, self.layout)
             self.backend.expand(h, pool, y, batch, self.table, module, self.layout)
+        if self.gate is not None:
+            self.gate.after_layer(layer, module, x, y)

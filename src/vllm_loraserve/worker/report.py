@@ -71,6 +71,13 @@ class PoolCounters:
     # kept), and those that had to read it, or wait for it, in the step.
     prefetch_hits: int
     prefetch_misses: int
+    # --loraserve-cold-start, and what its layer-group loads did: (adapter,
+    # layer group) pairs written by groups (pipelined and cpu-assist), and
+    # those whose LoRA delta was computed on the CPU while their pages were
+    # written (cpu-assist).
+    cold_start: str = "block"
+    pipelined_groups: int = 0
+    assisted_groups: int = 0
 
 
 @dataclass(frozen=True)

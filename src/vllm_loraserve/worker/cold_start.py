@@ -1,0 +1,281 @@
+"""Cold starts that do not wait for the whole adapter (--loraserve-cold-start).
+
+In `block` mode (no `ColdStart`) a request whose adapter is not in the pool
+waits, in its first step, for every layer's pages: one copy of the file's
+bytes, packing and page writes for all layers, on the main stream before
+the forward pass (worker/paged_manager.py). The other two modes take the
+same step's loads that are not ahead (`PageLoad.ahead`: those still load
+whole on the side stream, done before the next step) and write them layer
+group by layer group (`cold_start_group_layers` layers each):
+
+- `pipelined`: group k's bytes are copied, packed and written on the side
+  stream (worker/load_lane.py), then its flag is signalled
+  (worker/group_flags.py). Every LoRA module of a group's first layer waits
+  on the device for that group's flag before its shrink, so the layers
+  before group k run while group k is written, and no layer waits for a
+  group other than its own. Those waits are launched in every step that
+  writes groups, and captured in vLLM's CUDA graphs (a replay reads the
+  current epoch and returns at once when no group is pending).
+- `cpu-assist` (Toppings): the same group writes, and the loading adapters'
+  slot table rows are hidden from the kernels (`DevicePool.hide`) while the
+  forward pass runs on CPU deltas: at a group's first layer, if the group has
+  not landed yet (`landed`: an event query, no wait), its layers add the
+  cold adapters' deltas computed on the CPU from the host tier's copy
+  (worker/assist.py; x is copied to the host, which waits for the device).
+  From the first group that has landed on, the rows are shown again and the
+  layers run the GPU kernels, waiting on each group's flag as `pipelined`
+  does. A delta is thus computed on the CPU or by the kernels, never both.
+  Such a step runs eagerly (`force_eager`: worker/hooks.py has vLLM pick no
+  CUDA graph for it); later steps, decode included, run on the GPU.
+
+Ordering and deadlock freedom: the side stream waits for the main stream
+once per step, before the first group (`StreamLane.start`: the pages' last
+readers, as KV or as another adapter, and the table rows), and never again
+while the forward pass may be spinning; the spin is one program, so the
+side stream's kernels find SMs; the next step's main stream waits for the
+whole side stream first (`begin_step`). CUDA_DEVICE_MAX_CONNECTIONS=1 would
+put both streams in one hardware queue, where a spinning wait blocks the
+writes it waits for: these modes refuse it.
+
+On the CPU (no streams) the same code runs on a `HostLane`: `pipelined`
+runs group k's work when a layer of group k is about to wait, and
+`cpu-assist` assists every group of the load step (nothing lands before the
+forward pass is over; `end_forward` writes the pages then, so a load that
+fails there is in the step's report).
+
+The host tier's bytes of a cold adapter are read during the forward pass
+(CPU deltas, and the host lane's copies), so in these modes the tier's epoch
+of a step closes after the forward pass (paged_manager.end_forward), not
+before it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm_loraserve.kernels.batch import ModuleSlices
+from vllm_loraserve.paging.step import PageLoad
+from vllm_loraserve.worker.assist import Delta
+from vllm_loraserve.worker.group_flags import GroupFlags
+from vllm_loraserve.worker.host_tier import HostAdapter
+from vllm_loraserve.worker.load_lane import HostLane, StreamLane
+from vllm_loraserve.worker.pool import DevicePool, capturing
+
+MODES = ("block", "pipelined", "cpu-assist")
+# Packs a group's layers from the file's bytes (on the device): [layers, n] streams.
+Pack = Callable[[HostAdapter, range, torch.Tensor], torch.Tensor]
+
+
+def layer_groups(num_layers: int, size: int) -> tuple[range, ...]:
+    """Consecutive layer ranges of `size` layers (the last may be shorter)."""
+    if size < 1:
+        raise ValueError(f"a layer group holds at least one layer, not {size}")
+    return tuple(range(s, min(s + size, num_layers)) for s in range(0, num_layers, size))
+
+
+def group_spans(entry: HostAdapter, layers: range) -> list[tuple[int, int]]:
+    """The byte ranges of the weights file's data that hold `layers`'
+    tensors, adjacent ones merged (a group's copy to the device)."""
+    spans = sorted((t.offset, t.offset + int(np.prod(t.shape)) * t.dtype.itemsize)
+                   for name, ab in entry.weights.modules.items()
+                   if entry.where[name][0] in layers for t in ab)
+    merged: list[tuple[int, int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def refuse_one_hardware_queue(mode: str) -> None:
+    if mode != "block" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        raise ValueError(f"--loraserve-cold-start {mode} needs the side stream in its own "
+                         "hardware queue: unset CUDA_DEVICE_MAX_CONNECTIONS=1 (or use block)")
+
+
+@dataclass
+class _Cold:
+    """One adapter loaded by groups in this step."""
+
+    load: PageLoad
+    entry: HostAdapter
+    data: torch.Tensor | None = None  # the file's bytes on the device, filled by groups
+    failed: bool = False
+    host_s: float = 0.0  # host seconds spent on its groups so far
+    # cpu-assist: per layer, slice name -> (A [r, in], B [out, r]) in the host tier.
+    weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    rows: torch.Tensor | None = None  # cpu-assist: its tokens' rows this step (device)
+
+
+class ColdStart:
+    """The pool's `LayerGate` for `pipelined` and `cpu-assist` loads.
+    `fail(load, reason)` fails one load (its requests, its slot);
+    `done(load, seconds)` is told when a load's last group was written."""
+
+    def __init__(self, mode: str, pool: DevicePool, device: torch.device,
+                 side: torch.cuda.Stream | None, pack: Pack,
+                 fail: Callable[[PageLoad, str], None],
+                 done: Callable[[PageLoad, float], None], assist: Delta | None) -> None:
+        if mode not in MODES[1:]:
+            raise ValueError(f"no layer-group loads in cold-start mode {mode!r}")
+        if mode == "cpu-assist" and assist is None:
+            raise ValueError("cpu-assist needs a CPU delta")
+        refuse_one_hardware_queue(mode)
+        self.mode, self.pool, self.device = mode, pool, torch.device(device)
+        self.groups = pool.layer_groups
+        self.group_of = [g for g, r in enumerate(self.groups) for _ in r]
+        self.first_layers = frozenset(r.start for r in self.groups)
+        self.flags = GroupFlags(len(self.groups), self.device,
+                                self.device.type == "cuda" or pool.backend.name == "triton")
+        self.lane = StreamLane(side, self.flags) if side is not None else HostLane(self.flags)
+        self._pack, self._fail, self._done, self.assist = pack, fail, done, assist
+        # This step: groups in flight; assisted adapters; each group's
+        # choice (True: GPU kernels, False: CPU deltas); rows shown again.
+        self._pending = False
+        self._assisted: list[_Cold] = []
+        self._on_gpu: dict[int, bool] = {}
+        self._switched = False
+        # Totals for the residency report.
+        self.pipelined_groups = 0  # (adapter, layer group) pairs written by groups
+        self.assisted_groups = 0  # (adapter, layer group) pairs computed on the CPU
+        self.pack_s = self.write_s = 0.0
+
+    def warm_up(self) -> None:
+        self.flags.warm_up()
+
+    # -- per step (paged_manager) ------------------------------------------
+    def begin_step(self) -> None:
+        """The last step's group writes are in place (the main stream waits
+        for them) and its assisted adapters are visible to the kernels."""
+        self.lane.drain()
+        for c in self._assisted:
+            resident = self.pool.slots.get(c.load.slot)
+            if not c.failed and resident is not None and \
+                    resident.lora_id == c.load.lora_request.lora_int_id and not self._switched:
+                self.pool.show(c.load.slot)
+        self._pending, self._assisted, self._on_gpu, self._switched = False, [], {}, False
+        self.flags.check()
+
+    def end_forward(self) -> None:
+        """The forward pass is queued: the host lane writes the rest now."""
+        self.lane.after_forward()
+
+    @property
+    def force_eager(self) -> bool:
+        """This step has CPU-assisted adapters: no CUDA graph may run it."""
+        return any(not c.failed for c in self._assisted)
+
+    def load(self, loads: list[tuple[PageLoad, HostAdapter]]) -> None:
+        """Start this step's loads (none ahead) group by group: slots and
+        table rows on the main stream now, pages on the lane."""
+        self.flags.advance()
+        colds = []
+        for load, entry in loads:
+            try:
+                self.pool.begin_load(load.slot, load.lora_request.lora_int_id, entry.placement,
+                                     load.page_ids)
+            except Exception as e:
+                self._fail(load, f"its pages could not be written: {type(e).__name__}: {e}")
+                continue
+            cold = _Cold(load, entry)
+            if self.mode == "cpu-assist":
+                self.pool.hide(load.slot)
+                cold.weights = entry.layer_weights(range(self.pool.num_layers))
+            colds.append(cold)
+        self.lane.start()
+        for g in range(len(self.groups)):
+            for cold in colds:
+                self.lane.submit(g, lambda c=cold, g=g: self._write(c, g),
+                                 lambda e, c=cold: self._failed(c, e))
+            self.lane.close(g)
+        self._pending = True
+        if self.mode == "cpu-assist":
+            self._assisted = colds
+
+    def _write(self, cold: _Cold, g: int) -> None:
+        """Group g of one adapter: its bytes to the device, packed, its pages."""
+        if cold.failed:
+            return
+        t0 = time.perf_counter()
+        host = cold.entry.weights.data
+        layers = self.groups[g]
+        if self.device.type == "cpu":
+            cold.data = host
+        else:
+            if cold.data is None:  # allocated on the lane's stream, used only there
+                cold.data = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            for start, end in group_spans(cold.entry, layers):
+                cold.data[start:end].copy_(host[start:end], non_blocking=True)
+        streams = self._pack(cold.entry, layers, cold.data)
+        t1 = time.perf_counter()
+        self.pool.write_group(cold.load.slot, g, streams)
+        t2 = time.perf_counter()
+        self.pack_s += t1 - t0
+        self.write_s += t2 - t1
+        cold.host_s += t2 - t0
+        self.pipelined_groups += 1
+        if g == len(self.groups) - 1:
+            cold.data = None
+            self._done(cold.load, cold.host_s)
+
+    def _failed(self, cold: _Cold, e: Exception) -> None:
+        cold.failed, cold.data = True, None
+        self._fail(cold.load, f"its pages could not be written: {type(e).__name__}: {e}")
+
+    # -- per layer (the pool's LayerGate) ------------------------------------
+    def set_tokens(self, token_slots: np.ndarray) -> None:
+        for c in self._assisted:
+            rows = np.flatnonzero(token_slots == c.load.slot)
+            c.rows = torch.as_tensor(rows, dtype=torch.long).to(self.device)
+
+    def before_layer(self, layer: int, x: torch.Tensor) -> None:
+        capture = self.mode == "pipelined" and capturing(x)
+        if not (self._pending or capture):
+            return
+        g = self.group_of[layer]
+        if self._assisted and g not in self._on_gpu:
+            on_gpu = self._on_gpu[g] = self._switched or self.lane.landed(g)
+            if on_gpu and not self._switched:
+                self._switched = True
+                for c in self._assisted:
+                    if not c.failed:
+                        self.pool.show(c.load.slot)
+            if not on_gpu:
+                self.assisted_groups += sum(not c.failed for c in self._assisted)
+        if layer in self.first_layers and self._on_gpu.get(g, True):
+            self.lane.run_until(g)
+            self.flags.wait(g)
+
+    def after_layer(self, layer: int, module: ModuleSlices, x: torch.Tensor,
+                    y: torch.Tensor) -> None:
+        if not self._assisted or self._on_gpu.get(self.group_of[layer], True):
+            return
+        live = [c for c in self._assisted
+                if not c.failed and c.rows is not None and c.rows.numel()]
+        if not live:
+            return
+        rows = torch.cat([c.rows for c in live]) if len(live) > 1 else live[0].rows
+        # Waits for the device to reach this layer (issue 24 item 3 removes it).
+        xs = x.index_select(0, rows).cpu()
+        out = torch.zeros(rows.numel(), sum(module.out_features), dtype=torch.float32)
+        lo = 0
+        for c in live:
+            n, weights = c.rows.numel(), c.weights[layer]
+            for s, (col, n_out) in enumerate(zip(module.out_offsets, module.out_features,
+                                                 strict=True)):
+                ab = weights.get(self.pool.slices[module.first + s].name)
+                if ab is not None:
+                    a, b = ab
+                    self.assist.delta(xs[lo:lo + n], a, b.T, c.entry.scaling,
+                                      out=out[lo:lo + n, col:col + n_out])
+            lo += n
+        delta = out.to(y.device)
+        # One rounding to y's dtype, as the expand kernel's.
+        y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))

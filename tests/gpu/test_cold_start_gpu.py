@@ -1,0 +1,254 @@
+"""--loraserve-cold-start pipelined and cpu-assist on a GPU (marker `gpu`;
+run through the device tool), against block.
+
+Layer level (the pool, the side stream, the Triton flag kernels): the side
+stream is held back (torch.cuda._sleep) before a step's group writes, so a
+pipelined layer must really wait, inside a captured CUDA graph too, and a
+cpu-assist layer really finds its group not landed.
+
+End to end (vLLM 0.26 defaults: bf16, torch.compile, CUDA graphs, the JIT
+monitor in error mode): the three modes on the same requests, each against
+HF + PEFT in fp32 within the bf16 tolerance of tests/gpu/test_pool_gpu.py,
+with the side stream held back for the two new modes (tests/gpu/slow_side.py).
+A cpu-assist step that ran under a CUDA graph would skip its CPU deltas and
+fail the reference; results go to $LORASERVE_RESULTS_DIR/gpu_cold_start.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_loraserve.paging.layout import pack_layers
+from vllm_loraserve.paging.step import PageLoad
+from vllm_loraserve.worker.assist import CpuAssist
+from vllm_loraserve.worker.cold_start import ColdStart, layer_groups
+from vllm_loraserve.worker.pool import DevicePool
+
+from ..e2e.reference import (
+    Bf16Tolerance,
+    HFReference,
+    adapter_effect,
+    bf16_problems,
+    logprob_deltas,
+    run_vllm,
+)
+from ..worker.test_cold_start import (
+    GROUP,
+    KV_SHAPE,
+    LAYERS,
+    LAYOUT,
+    MODULES,
+    TOKENS,
+    host_adapter,
+    page_ids,
+)
+from .case import MAX_TOKENS, build_case
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+DTYPE = torch.bfloat16
+HOLD_CYCLES = 500_000_000  # ~0.25 s of side-stream sleep: longer than the layers take
+TOL = Bf16Tolerance()
+
+
+def pack(entry, layers, data):
+    return pack_layers(LAYOUT, entry.placement, entry.layer_weights(layers, data),
+                       entry.scaling, DTYPE)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {"warm": host_adapter(root, "warm", 16, ("q_proj", "v_proj", "down_proj"), 1,
+                                 pin=True),
+            "cold": host_adapter(root, "cold", 8, ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                   "gate_proj", "up_proj", "down_proj"), 2,
+                                 pin=True)}
+
+
+class GpuStep:
+    """A block pool and a grouped pool on the GPU, the warm adapter resident."""
+
+    def __init__(self, adapters, mode):
+        self.pools = []
+        for groups in ((), layer_groups(LAYERS, GROUP)):
+            g = torch.Generator(device=DEV).manual_seed(9)
+            kv = [torch.randn(KV_SHAPE, generator=g, device=DEV).to(DTYPE) for _ in range(LAYERS)]
+            p = DevicePool(LAYOUT.slices, LAYERS, max_rank=32, max_tokens=64, max_slots=8,
+                           max_slices=3, backend="triton", device=DEV, layer_groups=groups)
+            p.bind(kv)
+            p.warm_up(set(MODULES))
+            warm = adapters["warm"]
+            p.load(0, 1, warm.placement, page_ids(warm, 1),
+                   pack(warm, range(LAYERS), warm.weights.data.to(DEV)))
+            self.pools.append(p)
+        self.block, self.grouped = self.pools
+        self.side = torch.cuda.Stream(DEV)
+        self.failed = {}
+        self.cold = ColdStart(mode, self.grouped, DEV, self.side, pack,
+                              lambda load, why: self.failed.setdefault(load.slot, why),
+                              lambda load, s: None, CpuAssist())
+        self.cold.warm_up()
+        self.grouped.gate = self.cold
+        entry = adapters["cold"]
+        self.load = PageLoad(2, SimpleNamespace(lora_int_id=10, lora_name="cold"),
+                             entry.placement.rank, page_ids(entry, 30))
+        self.entry = entry
+
+    def start_cold(self, hold: bool):
+        """The next step: the cold adapter loads whole in the block pool and
+        by groups in the grouped one (held back on the side stream)."""
+        self.block.load(2, 10, self.entry.placement, self.load.page_ids,
+                        pack(self.entry, range(LAYERS), self.entry.weights.data.to(DEV)))
+        self.cold.begin_step()
+        if hold:
+            with torch.cuda.stream(self.side):
+                torch.cuda._sleep(HOLD_CYCLES)
+        self.cold.load([(self.load, self.entry)])
+
+    def tokens(self, ids):
+        ids = np.asarray([i if i in self.block.slot_of else 0 for i in ids])
+        for p in self.pools:
+            p.set_tokens(ids, ignored_ids=set())
+
+
+def inputs(n):
+    g = torch.Generator(device=DEV).manual_seed(0)
+    return (torch.randn(n, 96, generator=g, device=DEV).to(DTYPE),
+            torch.randn(n, 192, generator=g, device=DEV).to(DTYPE))
+
+
+def run_layers(pool, x, ys):
+    for layer in range(LAYERS):
+        for m, module in enumerate(MODULES):
+            pool.add_lora(layer, module, x[:, :module.in_features], ys[layer][m])
+
+
+def fresh(y0):
+    return [[y0[:, :sum(m.out_features)].clone() for m in MODULES] for _ in range(LAYERS)]
+
+
+def assert_equal_outputs(got, want):
+    """Within bf16 rounding of y and of the pages (the CPU delta is fp32 from
+    the file's weights); a delta missing or counted twice is ~2 off."""
+    for layer in range(LAYERS):
+        for m in range(len(MODULES)):
+            torch.testing.assert_close(got[layer][m].float(), want[layer][m].float(),
+                                       rtol=5e-2, atol=5e-2)
+
+
+def test_pipelined_waits_on_the_device_inside_a_cuda_graph(adapters):
+    step = GpuStep(adapters, "pipelined")
+    n = len(TOKENS)
+    x, y0 = inputs(n)
+    step.tokens(TOKENS)  # warm adapter only: the cold one is not loaded yet
+    ys = fresh(y0)
+    run_layers(step.grouped, x, ys)  # eager once before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_layers(step.grouped, x, ys)
+    waits = step.cold.flags.waits
+    # The step that loads the cold adapter replays the graph: its layers
+    # must wait for the held-back side stream's groups on the device.
+    step.start_cold(hold=True)
+    step.tokens(TOKENS)
+    for layer in range(LAYERS):
+        for m, module in enumerate(MODULES):
+            ys[layer][m].copy_(y0[:, :sum(module.out_features)])
+    graph.replay()
+    want = fresh(y0)
+    run_layers(step.block, x, want)
+    torch.cuda.synchronize()
+    assert_equal_outputs(ys, want)
+    assert step.cold.flags.waits == waits  # a replay launches no host-side wait
+    assert int(step.cold.flags.timeouts[0]) == 0 and not step.failed
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_cpu_assist_on_the_gpu_equals_block(adapters, hold):
+    step = GpuStep(adapters, "cpu-assist")
+    step.start_cold(hold=hold)
+    assert step.cold.force_eager
+    n = len(TOKENS)
+    x, y0 = inputs(n)
+    step.tokens(TOKENS)
+    got, want = fresh(y0), fresh(y0)
+    run_layers(step.grouped, x, got)
+    run_layers(step.block, x, want)
+    torch.cuda.synchronize()
+    assert_equal_outputs(got, want)
+    if hold:  # nothing landed while the layers ran: every group on the CPU
+        assert step.cold.assisted_groups == len(layer_groups(LAYERS, GROUP))
+    # The next step (decode) runs on the kernels, pages in place.
+    step.cold.end_forward()
+    step.cold.begin_step()
+    assert not step.cold.force_eager
+    step.tokens(TOKENS[:4])
+    got, want = fresh(y0[:4]), fresh(y0[:4])
+    run_layers(step.grouped, x[:4], got)
+    run_layers(step.block, x[:4], want)
+    torch.cuda.synchronize()
+    assert_equal_outputs(got, want)
+    assert not step.failed
+
+
+# -- end to end ------------------------------------------------------------
+ENGINE = {"max_loras": 1, "max_lora_rank": 128, "max_num_seqs": 64,
+          "gpu_memory_utilization": 0.5, "jit_monitor_mode": "error"}
+
+
+def _problems(ref, reqs, outs) -> tuple[list[str], list[dict]]:
+    problems, stats = [], []
+    for req, out in zip(reqs, outs, strict=True):
+        name = req.lora_name or "base"
+        if len(out["token_ids"]) != MAX_TOKENS:
+            problems.append(f"{name}: {out}")
+            continue
+        lp = ref.logprobs(req, out["token_ids"])
+        d = logprob_deltas(lp, out)
+        problems += bf16_problems(name, d, TOL)
+        s = {"adapter": name, "max": max(d), "mean": sum(d) / len(d)}
+        if req.lora_name is not None:
+            s["effect"] = adapter_effect(ref, req, out["token_ids"], lp)
+            if s["effect"] < 2 * TOL.mean:
+                problems.append(f"{name}: the adapter's effect {s['effect']:.3f} is too "
+                                "small for this test to see")
+        stats.append(s)
+    return problems, stats
+
+
+def test_cold_start_modes_match_hf_peft_with_cuda_graphs(fixed_dir, tmp_path):
+    model, reqs = build_case(fixed_dir("cold-start-gpu"))
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    runs = {}
+    for mode in ("block", "pipelined", "cpu-assist"):
+        (tmp_path / mode).mkdir()
+        engine = {**ENGINE, "additional_config": {"loraserve": {
+            "cold_start": mode, "cold_start_group_layers": 1}}}
+        extra = {} if mode == "block" else {"script": "../gpu/slow_side.py",
+                                            "delay_cycles": 20_000_000}
+        runs[mode] = run_vllm(tmp_path / mode, model, reqs, engine, MAX_TOKENS, env=env,
+                              dtype="bfloat16", **extra)
+    ref = HFReference(model, device="cuda")
+    report, problems = {"tolerance": dataclasses.asdict(TOL)}, []
+    for mode, run in runs.items():
+        p, stats = _problems(ref, reqs, run["outputs"])
+        problems += [f"{mode}: {x}" for x in p]
+        report[mode] = {"pool": run["residency"]["pool"], "requests": stats}
+    out_dir = os.environ.get("LORASERVE_RESULTS_DIR")
+    if out_dir:
+        json.dump(report, open(os.path.join(out_dir, "gpu_cold_start.json"), "w"), indent=1)
+    assert not problems, "\n".join(problems)
+    pools = {mode: run["residency"]["pool"] for mode, run in runs.items()}
+    assert pools["block"]["pipelined_groups"] == 0
+    assert pools["pipelined"]["pipelined_groups"] > 0, pools["pipelined"]
+    assert pools["pipelined"]["assisted_groups"] == 0
+    assert pools["cpu-assist"]["assisted_groups"] > 0, pools["cpu-assist"]

@@ -1,0 +1,306 @@
+"""Cold starts by layer groups (worker/cold_start.py) on the CPU, layer by
+layer, against the same adapters loaded whole (`block`).
+
+The CPU engine's lane (worker/load_lane.HostLane) writes a group only when
+a layer of it waits, or at the next step's start, so every test here also
+sees what a layer would read if it skipped its wait: pages never written."""
+
+from __future__ import annotations
+
+import math
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_loraserve.adapters.peft import read_weights, short_name
+from vllm_loraserve.demo.assets import make_adapter
+from vllm_loraserve.kernels.batch import ModuleSlices
+from vllm_loraserve.paging.layout import pack_layers
+from vllm_loraserve.paging.model import model_layout
+from vllm_loraserve.paging.step import PageLoad
+from vllm_loraserve.worker import cold_start as cold_mod
+from vllm_loraserve.worker.assist import CpuAssist
+from vllm_loraserve.worker.cold_start import ColdStart, group_spans, layer_groups
+from vllm_loraserve.worker.group_flags import FlagTimeout
+from vllm_loraserve.worker.host_tier import HostAdapter
+from vllm_loraserve.worker.pool import DevicePool
+
+LAYERS = 6
+CFG = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, intermediate_size=96, num_hidden_layers=LAYERS)
+KV_SHAPE = (200, 2, 16, 32)  # 1024-element pages
+LAYOUT = model_layout(CFG, 1024)
+DIMS = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
+        "gate_proj": (64, 96), "up_proj": (64, 96), "down_proj": (96, 64)}
+PATHS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+         "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+MODULES = [ModuleSlices.of(LAYOUT, names) for names in
+           (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
+            ("down_proj",))]
+GROUP = 2  # layers per group: 3 groups
+
+
+def host_adapter(tmp_path, name, rank, targets, seed, pin=False) -> HostAdapter:
+    """An adapter written as PEFT files and read as the host tier reads it
+    (into pinned memory with `pin`, as the tier's arena is on a GPU)."""
+    dims = {f"model.layers.{layer}.{PATHS[t]}.{t}": DIMS[t]
+            for layer in range(LAYERS) for t in targets}
+    path = str(tmp_path / name)
+    make_adapter(path, dims, rank=rank, alpha=2 * rank, seed=seed, base_model="tiny",
+                 strength=2.0)
+    spec, raw = read_weights(path, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pin))
+    where = {m: (int(re.search(r"layers\.(\d+)\.", m).group(1)), short_name(m))
+             for m in raw.modules}
+    return HostAdapter(name, LAYOUT.place(spec.rank, spec.target_modules), spec.scaling, raw,
+                       where)
+
+
+def pack(entry: HostAdapter, layers: range, data: torch.Tensor) -> torch.Tensor:
+    return pack_layers(LAYOUT, entry.placement, entry.layer_weights(layers, data),
+                       entry.scaling, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {"warm": host_adapter(root, "warm", 16, ("q_proj", "v_proj", "down_proj"), 1),
+            "cold": host_adapter(root, "cold", 8, tuple(DIMS), 2),
+            "cold2": host_adapter(root, "cold2", 32, ("o_proj", "gate_proj", "up_proj"), 3)}
+
+
+def page_ids(entry, first):
+    return tuple(range(first, first + entry.placement.num_pages))
+
+
+class Step:
+    """A block pool and a group-loading pool over equal KV, the warm adapter
+    resident in both, `cold` adapters loading in this step."""
+
+    def __init__(self, adapters, mode, backend="torch", cold=("cold",)):
+        self.adapters, self.names = adapters, cold
+        self.failed: dict[int, str] = {}
+        self.done: list[int] = []
+        self.pools = []
+        # The block pool on the reference kernels, the grouped one on `backend`.
+        for groups, kernels in (((), "torch"), (layer_groups(LAYERS, GROUP), backend)):
+            kv = [torch.randn(KV_SHAPE, generator=torch.Generator().manual_seed(9 + i))
+                  for i in range(LAYERS)]
+            p = DevicePool(LAYOUT.slices, LAYERS, max_rank=32, max_tokens=64, max_slots=8,
+                           max_slices=3, backend=kernels, device=torch.device("cpu"),
+                           layer_groups=groups)
+            p.bind(kv)
+            warm = adapters["warm"]
+            p.load(0, 1, warm.placement, page_ids(warm, 1),
+                   pack(warm, range(LAYERS), warm.weights.data))
+            self.pools.append(p)
+        self.block, self.grouped = self.pools
+        self.cold = ColdStart(mode, self.grouped, torch.device("cpu"), None, pack,
+                              self._fail, lambda load, s: self.done.append(load.slot),
+                              CpuAssist())
+        self.grouped.gate = self.cold
+        self.loads = []
+        for i, name in enumerate(cold):
+            entry = adapters[name]
+            load = PageLoad(2 + i, SimpleNamespace(lora_int_id=10 + i, lora_name=name),
+                            entry.placement.rank, page_ids(entry, 30 + 70 * i))
+            self.block.load(load.slot, 10 + i, entry.placement, load.page_ids,
+                            pack(entry, range(LAYERS), entry.weights.data))
+            self.loads.append((load, entry))
+        self.cold.begin_step()
+        self.cold.load(self.loads)
+
+    def _fail(self, load, reason):
+        self.failed[load.lora_request.lora_int_id] = reason
+        self.grouped.evict(load.slot)
+
+    def tokens(self, ids):
+        """The step's token -> adapter ids (those of adapters not loaded: none)."""
+        ids = np.asarray([i if i in self.block.slot_of else 0 for i in ids])
+        for p in self.pools:
+            p.set_tokens(ids, ignored_ids=set())
+
+    def layer(self, layer, x, y0):
+        """Every module of one layer in both pools: [(block y, grouped y)]."""
+        out = []
+        for module in MODULES:
+            xm = x[:, :module.in_features]
+            y = y0[:, :sum(module.out_features)]
+            yb, yg = y.clone(), y.clone()
+            self.block.add_lora(layer, module, xm, yb)
+            self.grouped.add_lora(layer, module, xm, yg)
+            out.append((yb, yg))
+        return out
+
+    def cold_pages_written(self, layer):
+        """Whether the grouped pool's pages of `layer` hold the cold adapters
+        as the block pool's do."""
+        return all(torch.equal(self.grouped.pages[layer][list(load.page_ids)],
+                               self.block.pages[layer][list(load.page_ids)])
+                   for load, _ in self.loads)
+
+
+TOKENS = [10, 1, 0, 10, 10, 1, 11, 11, 0, 10]
+
+
+def inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(len(TOKENS), 96, generator=g), torch.randn(len(TOKENS), 192, generator=g)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_pipelined_layers_equal_block_and_each_waits_for_its_own_group(adapters, backend):
+    step = Step(adapters, "pipelined", backend, cold=("cold", "cold2"))
+    step.tokens(TOKENS)
+    x, y0 = inputs()
+    assert not any(step.cold_pages_written(layer) for layer in range(LAYERS))
+    for layer in range(LAYERS):
+        for yb, yg in step.layer(layer, x, y0):
+            assert not torch.equal(yb, y0)
+            torch.testing.assert_close(yg, yb, rtol=1e-4, atol=1e-4)
+        # Group k is written once its first layer waited, and no later group.
+        written = [step.cold_pages_written(lay) for lay in range(LAYERS)]
+        assert written == [lay // GROUP <= layer // GROUP for lay in range(LAYERS)]
+    # Every module of a group's first layer waited; no other layer did.
+    assert step.cold.flags.waits == len(MODULES) * (LAYERS // GROUP)
+    assert step.done == [2, 3] and not step.failed
+    assert step.cold.pipelined_groups == 2 * (LAYERS // GROUP)
+    step.cold.begin_step()  # the next step: nothing pending, nobody waits
+    step.tokens(TOKENS)
+    for yb, yg in step.layer(3, x, y0):
+        torch.testing.assert_close(yg, yb, rtol=1e-5, atol=1e-5)
+    assert step.cold.flags.waits == len(MODULES) * (LAYERS // GROUP)
+
+
+def test_a_layer_that_skips_its_wait_reads_pages_never_written(adapters):
+    """Both ways a wait can go missing fail: without the gate the layer reads
+    unwritten pages (its output differs from block's); with a gate whose
+    group was never signalled the wait itself raises."""
+    step = Step(adapters, "pipelined")
+    step.tokens(TOKENS)
+    x, y0 = inputs()
+    gate, step.grouped.gate = step.grouped.gate, None
+    assert any(not torch.allclose(yg, yb, atol=1e-3) for yb, yg in step.layer(0, x, y0))
+    step.grouped.gate = gate
+    gate.lane.run_until = lambda group: None  # the group's work never runs
+    with pytest.raises(FlagTimeout, match="layer group 1 is read before"):
+        step.layer(2, x, y0)
+
+
+def test_triton_wait_counts_a_timeout_that_check_reports(adapters):
+    step = Step(adapters, "pipelined", backend="triton")
+    step.cold.flags.max_spins = 3
+    step.cold.lane.run_until = lambda group: None
+    step.tokens(TOKENS)
+    x, y0 = inputs()
+    step.layer(0, x, y0)
+    assert int(step.cold.flags.timeouts[0]) == len(MODULES)
+    with pytest.raises(FlagTimeout, match="4 layer wait"):
+        step.cold.flags.check()
+
+
+def test_cpu_assist_equals_block_with_every_group_on_the_cpu(adapters):
+    step = Step(adapters, "cpu-assist", cold=("cold", "cold2"))
+    assert step.cold.force_eager
+    step.tokens(TOKENS)
+    x, y0 = inputs()
+    for layer in range(LAYERS):
+        for yb, yg in step.layer(layer, x, y0):
+            torch.testing.assert_close(yg, yb, rtol=1e-5, atol=1e-5)
+    # Nothing landed during the step: every group of both adapters on the CPU.
+    assert not any(step.cold_pages_written(layer) for layer in range(LAYERS))
+    assert step.cold.assisted_groups == 2 * (LAYERS // GROUP)
+    assert step.cold.flags.waits == 0
+    # Written once the forward pass is over; the next step (decode) shows
+    # the rows and the kernels serve it.
+    step.cold.end_forward()
+    assert all(step.cold_pages_written(layer) for layer in range(LAYERS))
+    step.cold.begin_step()
+    assert not step.cold.force_eager
+    step.tokens(TOKENS[:4])
+    x, y0 = inputs(1)
+    for layer in range(LAYERS):
+        for yb, yg in step.layer(layer, x[:4], y0[:4]):
+            torch.testing.assert_close(yg, yb, rtol=1e-5, atol=1e-5)
+    assert step.cold.assisted_groups == 2 * (LAYERS // GROUP)
+
+
+def test_cpu_assist_switches_to_the_kernels_once_a_group_landed(adapters):
+    """Group 0 on the CPU; groups 0 and 1 land before layer 2 runs: from
+    there the kernels compute the cold adapter, waiting as pipelined does.
+    A CPU delta added for a layer whose kernels ran too (counted twice), or
+    a kernel reading a hidden slot, would break the equality."""
+    step = Step(adapters, "cpu-assist")
+    step.tokens(TOKENS)
+    x, y0 = inputs()
+    for layer in range(LAYERS):
+        if layer == GROUP:
+            step.cold.lane.run_until(1)
+        for yb, yg in step.layer(layer, x, y0):
+            torch.testing.assert_close(yg, yb, rtol=1e-5, atol=1e-5)
+    assert step.cold.assisted_groups == 1
+    assert step.cold.flags.waits == len(MODULES) * 2  # groups 1 and 2
+    assert all(step.cold_pages_written(layer) for layer in range(LAYERS))
+
+
+@pytest.mark.parametrize("hidden", [True, False])
+def test_a_delta_counted_twice_breaks_the_equality(adapters, monkeypatch, hidden):
+    """Pages written but every group still on the CPU: with the slot hidden,
+    as cpu-assist hides it, the outputs equal block's; shown, the kernels
+    would add the cold adapter's delta beside the CPU's."""
+    if not hidden:
+        monkeypatch.setattr(DevicePool, "hide", lambda self, slot: None)
+    step = Step(adapters, "cpu-assist")
+    step.cold.lane.drain()
+    step.cold.lane.landed = lambda group: False
+    step.tokens(TOKENS)
+    x, y0 = inputs()
+    outs = step.layer(0, x, y0)
+    assert all(torch.allclose(yg, yb, atol=1e-4) for yb, yg in outs) == hidden
+
+
+def test_a_group_write_that_fails_fails_its_adapter_alone(adapters, monkeypatch):
+    write = DevicePool.write_group
+
+    def failing(self, slot, group, streams):
+        if slot == 2 and group == 1:
+            raise RuntimeError("injected")
+        write(self, slot, group, streams)
+
+    monkeypatch.setattr(DevicePool, "write_group", failing)
+    step = Step(adapters, "pipelined", cold=("cold", "cold2"))
+    step.tokens(TOKENS)
+    x, y0 = inputs()
+    rows = [i for i, t in enumerate(TOKENS) if t != 10]  # the failed adapter's rows aside
+    for layer in range(LAYERS):
+        for yb, yg in step.layer(layer, x, y0):
+            torch.testing.assert_close(yg[rows], yb[rows], rtol=1e-5, atol=1e-5)
+    assert list(step.failed) == [10] and "injected" in step.failed[10]
+    assert 10 not in step.grouped.slot_of and step.done == [3]
+
+
+def test_group_spans_cover_exactly_the_groups_tensors(adapters):
+    entry = adapters["cold"]
+    size = entry.weights.data.numel()
+    covered = np.zeros(size, dtype=int)
+    for layers in layer_groups(LAYERS, GROUP):
+        for start, end in group_spans(entry, layers):
+            covered[start:end] += 1
+    tensors = np.zeros(size, dtype=int)
+    for a, b in entry.weights.modules.values():
+        for t in (a, b):
+            tensors[t.offset:t.offset + math.prod(t.shape) * t.dtype.itemsize] = 1
+    assert np.array_equal(covered, tensors)  # each tensor byte once, nothing else
+
+
+def test_layer_groups_and_the_one_queue_refusal(monkeypatch):
+    assert layer_groups(6, 4) == (range(0, 4), range(4, 6))
+    assert layer_groups(32, 4)[-1] == range(28, 32)
+    with pytest.raises(ValueError):
+        layer_groups(6, 0)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        cold_mod.refuse_one_hardware_queue("pipelined")
+    cold_mod.refuse_one_hardware_queue("block")
