@@ -127,8 +127,8 @@ def test_split_token_sets_partition_the_adapter_tokens(monkeypatch):
     slots = np.array([2] * 4 + [5] * 3 + [-1, 7, -1, 8, 8, 8, 8, 8])
     for small_batch, want_tall in ((8, {2, 8}), (9, set())):
         monkeypatch.setattr(pool_mod, "SMALL_BATCH", small_batch)
-        short = DevicePool._token_set("short", slots)
-        tall = DevicePool._token_set("tall", slots)
+        sets = DevicePool._token_sets(slots)
+        short, tall = sets["short"], sets["tall"]
         assert ((short >= 0) & (tall >= 0)).sum() == 0
         assert np.array_equal(np.maximum(short, tall), slots)
         assert set(tall[tall >= 0].tolist()) == want_tall

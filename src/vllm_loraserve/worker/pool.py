@@ -265,24 +265,23 @@ class DevicePool:
             self.adapter_steps += 1
             self.adapter_step_adapters += len(used)
         token_slots = np.where(ids > 0, lut[np.maximum(ids, 0)], -1)
-        self._batches = {key: buf.fill(self._token_set(key[0], token_slots))
-                         for key, buf in self._buffers.items()}
+        sets = self._token_sets(token_slots)
+        self._batches = {key: buf.fill(sets[key[0]]) for key, buf in self._buffers.items()}
         if self.gate is not None:
             self.gate.set_tokens(token_slots)
 
     @staticmethod
-    def _token_set(name: str, token_slots: np.ndarray) -> np.ndarray:
-        """`token_slots` with the tokens outside set `name` as -1 (no block).
-        "tall": the tokens of adapters with at least TALL of them, if there
-        are more than SMALL_BATCH such tokens, else none; "short": the rest."""
-        if name == "all":
-            return token_slots
+    def _token_sets(token_slots: np.ndarray) -> dict[str, np.ndarray]:
+        """Each token set, as `token_slots` with the tokens outside it as -1
+        (no block): "all"; "tall", the tokens of adapters with at least TALL
+        of them, if there are more than SMALL_BATCH such tokens, else none;
+        "short", the rest."""
         counts = np.bincount(token_slots[token_slots >= 0], minlength=1)
         tall = (counts[np.maximum(token_slots, 0)] >= TALL) & (token_slots >= 0)
         if tall.sum() <= SMALL_BATCH:
             tall[:] = False
-        keep = tall if name == "tall" else ~tall
-        return np.where(keep, token_slots, -1)
+        return {"all": token_slots, "tall": np.where(tall, token_slots, -1),
+                "short": np.where(tall, -1, token_slots)}
 
     def _plan(self, num_tokens: int) -> tuple[tuple[tuple[str, int], int], ...]:
         """The batchings a layer input of `num_tokens` rows launches, each
