@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -19,6 +20,19 @@ class Request:
     lora_name: str | None = None
     lora_path: str | None = None
     max_tokens: int | None = None  # None: the run's max_tokens
+
+
+def mixed_requests(model: str, adapters: list[tuple[str, str]], seed: int, max_len: int,
+                   without: int) -> list[Request]:
+    """Two requests of 4..max_len random prompt tokens per (name, path) adapter
+    and `without` 9-token requests without one, shuffled (seeded)."""
+    vocab = len(json.load(open(os.path.join(model, "tokenizer.json")))["model"]["vocab"])
+    rng = random.Random(seed)
+    reqs = [Request([rng.randrange(8, vocab) for _ in range(rng.randint(4, max_len))], name,
+                    path) for name, path in adapters for _ in range(2)]
+    reqs += [Request([rng.randrange(8, vocab) for _ in range(9)]) for _ in range(without)]
+    rng.shuffle(reqs)
+    return reqs
 
 
 def run_vllm(tmp_path, model: str, requests: list[Request], engine: dict, max_tokens: int,

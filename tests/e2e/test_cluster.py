@@ -53,6 +53,19 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def router_ready(proc: subprocess.Popen, url: str, log: str, timeout: float = 2.0):
+    """A `wait_for` predicate: the router of `loraserve cluster up` (`proc`,
+    writing `log`) answers /health; its exit fails at once with the log."""
+    def ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"cluster exited:\n{open(log).read()[-3000:]}")
+        try:
+            return httpx.get(f"{url}/health", timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+    return ready
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from vllm_loraserve.demo.assets import build_assets
@@ -76,16 +89,8 @@ def cluster(tmp_path_factory):
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     c = RunningCluster(f"http://127.0.0.1:{port}", proc, log)
-
-    def ready():
-        if proc.poll() is not None:
-            raise AssertionError(f"cluster exited:\n{open(log).read()[-3000:]}")
-        try:
-            return httpx.get(f"{c.url}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
     try:
-        wait_for(ready, 600, "the router")
+        wait_for(router_ready(proc, c.url, log), 600, "the router")
         yield c
     finally:
         tree = c.tree() if proc.poll() is None else []

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 
 import pytest
 
-from .reference import HFReference, Request, mismatches, run_vllm
+from .reference import HFReference, Request, mismatches, mixed_requests, run_vllm
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 5
@@ -33,13 +32,7 @@ def case(tiny_assets):
     model = os.path.join(tiny_assets, "model")
     adapters = [(r["name"], os.path.join(tiny_assets, r["path"]))
                 for r in json.load(open(os.path.join(tiny_assets, "adapters.json")))]
-    vocab = len(json.load(open(os.path.join(model, "tokenizer.json")))["model"]["vocab"])
-    rng = random.Random(5)
-    reqs = [Request([rng.randrange(8, vocab) for _ in range(rng.randint(4, 30))], name, path)
-            for name, path in adapters for _ in range(2)]
-    reqs += [Request([rng.randrange(8, vocab) for _ in range(9)]) for _ in range(2)]
-    rng.shuffle(reqs)
-    return model, reqs
+    return model, mixed_requests(model, adapters, seed=5, max_len=30, without=2)
 
 
 @pytest.fixture(scope="module")

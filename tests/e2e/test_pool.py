@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 
 import pytest
 from transformers import AutoConfig
@@ -17,7 +16,7 @@ from vllm_loraserve.demo.assets import ALL_TARGETS, make_adapter, module_dims
 from vllm_loraserve.paging.model import model_layout
 
 from .bad_adapters import layer_7_dims
-from .reference import HFReference, Request, mismatches, run_vllm
+from .reference import HFReference, Request, mismatches, mixed_requests, run_vllm
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 6
@@ -39,13 +38,7 @@ def case(tiny_assets, tmp_path_factory):
                      seed=100 + seed, base_model="tiny")
         adapters.append((name, str(root / name)))
     assert len(adapters) == 10
-    vocab = len(json.load(open(os.path.join(model, "tokenizer.json")))["model"]["vocab"])
-    rng = random.Random(3)
-    reqs = [Request([rng.randrange(8, vocab) for _ in range(rng.randint(4, 40))], name, path)
-            for name, path in adapters for _ in range(2)]
-    reqs += [Request([rng.randrange(8, vocab) for _ in range(9)]) for _ in range(3)]
-    rng.shuffle(reqs)
-    return model, reqs
+    return model, mixed_requests(model, adapters, seed=3, max_len=40, without=3)
 
 
 def expected_pages(model: str, page_size: int, path: str) -> int:

@@ -50,7 +50,7 @@ from vllm_loraserve.demo.assets import ALL_TARGETS, build_model, make_adapter, m
 from vllm_loraserve.process import free_port
 
 from ..e2e.reference import Bf16Tolerance
-from ..e2e.test_cluster import wait_for
+from ..e2e.test_cluster import router_ready, wait_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 TOL = Bf16Tolerance()
@@ -142,15 +142,8 @@ def cluster(request, tmp_path_factory):
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-
-    def ready():
-        assert proc.poll() is None, open(log).read()[-3000:]
-        try:
-            return httpx.get(f"{url}/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
     try:
-        wait_for(ready, 400, "the router")
+        wait_for(router_ready(proc, url, log, timeout=5), 400, "the router")
         print(f"{transport} cluster up in {time.monotonic() - t0:.0f} s", flush=True)
         yield transport, url, root, log
     finally:
