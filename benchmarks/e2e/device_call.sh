@@ -10,7 +10,10 @@
 # BENCH_ARGS adds bench_e2e.py arguments (offline, profile), e.g.
 #   BENCH_ARGS="--shape llama3-8b --targets all-linear --ranks 16,32,64 --distinct 40";
 # LORASERVE_COMMIT (the commit sent; the device has no .git) goes into results.json.
-# GPU_TESTS: the pool tests gpu-tests runs N times (default tests/gpu/test_pool_gpu.py).
+# GPU_TESTS: the pool tests gpu-tests runs N times (default tests/gpu/test_pool_gpu.py);
+# GPU_ONCE: tests gpu-tests runs once first (default tests/gpu/test_kernels_gpu.py).
+# LORASERVE_BUILD_OPS=1 builds the csrc/ op at the install (default 0: skipped),
+# and the install's time and log go to $OUT/install.log.
 #
 # It installs the carried vLLM bundle (and peft for the GPU tests), stops its
 # work after SECONDS (default 540, inside the tool's 600 s), and leaves at
@@ -24,9 +27,13 @@ case $what in offline|online|profile|gpu-tests) ;; *) echo "unknown call $what" 
 # The bundle installs into this machine's python3: never on the CPU machine.
 command -v nvidia-smi >/dev/null || { echo "not a GPU machine: run this through device" >&2; exit 2; }
 source .devbundle/p1/vllm_install.sh >/dev/null || exit 3
-# The csrc/ op (setup.py) is not built here: nothing these calls run uses it,
-# and nvcc would take device time (tests/gpu/test_assist_ops_gpu.py builds it).
-LORASERVE_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 3
+# The csrc/ op (setup.py) is built only when asked: nvcc takes device time.
+t0=$(date +%s)
+LORASERVE_BUILD_OPS=${LORASERVE_BUILD_OPS:-0} python3 -m pip install -v --no-deps \
+  --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
+  || { tail -30 "$OUT/install.log"; exit 3; }
+echo "plugin installed in $(( $(date +%s) - t0 )) s (LORASERVE_BUILD_OPS=${LORASERVE_BUILD_OPS:-0})"
+grep "vllm-loraserve:" "$OUT/install.log"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 work=/tmp/device-$what
@@ -60,9 +67,9 @@ case $what in
   gpu-tests)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 3
     export PYTHONPATH=$PWD/src:${PYTHONPATH:-}:/tmp/site
-    within python3 -m pytest -m gpu tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider \
-      > "$work/kernels.log" 2>&1
-    echo "kernel tests: exit $?"; tail -1 "$work/kernels.log"
+    within python3 -m pytest -m gpu ${GPU_ONCE:-tests/gpu/test_kernels_gpu.py} -q -s \
+      -p no:cacheprovider > "$work/once.log" 2>&1
+    echo "${GPU_ONCE:-tests/gpu/test_kernels_gpu.py}: exit $?"; tail -1 "$work/once.log"
     for i in $(seq "$arg"); do
       mkdir -p "$work/run$i"
       LORASERVE_RESULTS_DIR=$work/run$i within python3 -m pytest -m gpu \
