@@ -51,7 +51,10 @@ __global__ void wait_flags_kernel(const long long* flags, int count, long long v
   unsigned sleep_ns = 64;
   for (int i = 0; i < count; ++i) {
     while (f[i] < value) {
-      if (timeout_ns != 0 && global_ns() - start > timeout_ns) {
+      // Signed: a timer read earlier than `start` (not monotonic under
+      // some virtualised GPUs?) must not look like a wrapped-around age.
+      const long long age = static_cast<long long>(global_ns() - start);
+      if (timeout_ns != 0 && age > static_cast<long long>(timeout_ns)) {
         if (timed_out != nullptr) {
           *reinterpret_cast<volatile long long*>(timed_out) = value;
           __threadfence_system();

@@ -110,7 +110,9 @@ def test_cpu_result_round_trip_without_a_host_sync(ops):
         thread.join(120)
         torch.cuda.synchronize()
     assert not thread.is_alive()
-    assert pending, "the stream finished before the CPU result existed: nothing waited for it"
+    assert pending, ("the stream finished before the CPU result existed: nothing waited for "
+                     f"it (flags {flags[:3].tolist()}: x ready, delta ready, timed out; "
+                     f"enqueue {enqueue_s:.4f} s)")
     assert enqueue_s < 5.0 and seen["start"] > t0 + enqueue_s
     assert flags[:3].tolist() == [1, 1, 0]  # no device-side timeout
     expected = base + _reference(x, a.cuda(), b.T.cuda(), scaling).bfloat16()

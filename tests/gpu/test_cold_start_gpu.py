@@ -54,8 +54,12 @@ from .case import MAX_TOKENS, build_case
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
 DTYPE = torch.bfloat16
-HOLD_CYCLES = 500_000_000  # ~0.25 s of side-stream sleep: longer than the layers take
+# ~2 s of side-stream sleep (at ~2 GHz): longer than the layers take, with the first
+# CPU deltas' start-up (0.25 s was not, on an H200: a cpu-assist layer found group 2 landed).
+HOLD_CYCLES = 4_000_000_000
 TOL = Bf16Tolerance()
+# Side-stream sleep before each step's group writes in the e2e test, per mode.
+DELAY_CYCLES = {"pipelined": 20_000_000, "cpu-assist": 2_000_000_000}
 
 
 def pack(entry, layers, data):
