@@ -6,9 +6,14 @@
 #   bash benchmarks/e2e/device_call.sh online none,pool-100 [SECONDS]
 #   bash benchmarks/e2e/device_call.sh profile none,pool-1000 [SECONDS]   (torch.profiler, 400 requests)
 #   bash benchmarks/e2e/device_call.sh gpu-tests 3 [SECONDS]   (kernel tests once, then the pool's N times)
+#   bash benchmarks/e2e/device_call.sh cold-start block,pipelined [SECONDS]   (cold_start/ttft_bench.py)
 #
 # BENCH_ARGS adds bench_e2e.py arguments (offline, profile), e.g.
 #   BENCH_ARGS="--shape llama3-8b --targets all-linear --ranks 16,32,64 --distinct 40";
+# ONLINE_ARGS adds online_ttft.py arguments, e.g. ONLINE_ARGS="--cold-start pipelined";
+# COLD_ARGS adds ttft_bench.py arguments, e.g. COLD_ARGS="--concurrent-cold 1,4 --reps 5".
+# cold-start keeps its results across calls on a warm machine, so calls of one
+# mode each add up to one ttft.json (each mode's server compiles its own graphs).
 # LORASERVE_COMMIT (the commit sent; the device has no .git) goes into results.json.
 # GPU_TESTS: the pool tests gpu-tests runs N times (default tests/gpu/test_pool_gpu.py);
 # GPU_ONCE: tests gpu-tests runs once first (default tests/gpu/test_kernels_gpu.py).
@@ -23,7 +28,7 @@
 set -uo pipefail
 what=$1 arg=$2 limit=${3:-540}
 start=$(date +%s) status=0
-case $what in offline|online|profile|gpu-tests) ;; *) echo "unknown call $what" >&2; exit 2 ;; esac
+case $what in offline|online|profile|gpu-tests|cold-start) ;; *) echo "unknown call $what" >&2; exit 2 ;; esac
 # The bundle installs into this machine's python3: never on the CPU machine.
 command -v nvidia-smi >/dev/null || { echo "not a GPU machine: run this through device" >&2; exit 2; }
 source .devbundle/p1/vllm_install.sh >/dev/null || exit 3
@@ -37,7 +42,8 @@ grep "vllm-loraserve:" "$OUT/install.log"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 work=/tmp/device-$what
-rm -rf "$work" && mkdir -p "$work"
+[[ $what == cold-start ]] || rm -rf "$work"
+mkdir -p "$work"
 
 # Engines of a step cut short (here or in an earlier call on this warm
 # machine) must not hold the GPU: a `vllm serve` runs in a session of its own.
@@ -62,8 +68,11 @@ case $what in
     cp "$work"/profile-*.txt "$OUT"/ ;;
   online)
     within python3 benchmarks/e2e/online_ttft.py --configs "$arg" --rate 12 --duration 30 \
-      --out "$work"
+      --out "$work" ${ONLINE_ARGS:-}
     cp "$work/online.json" "$OUT/online.json" ;;
+  cold-start)
+    within python3 benchmarks/cold_start/ttft_bench.py --modes "$arg" --out "$work" ${COLD_ARGS:-}
+    cp "$work/ttft.json" "$OUT/ttft.json" ;;
   gpu-tests)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 3
     export PYTHONPATH=$PWD/src:${PYTHONPATH:-}:/tmp/site

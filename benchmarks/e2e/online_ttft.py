@@ -12,15 +12,21 @@ and pool-base-only replay the 100-adapter trace with every request sent to
 the base model (pool-base-only: on a server with the plugin and the 100
 adapters); pool-r8-single replays a one-adapter trace (adapter a0000, rank 8).
 
+`--cold-start MODE` starts the plugin configs with `--loraserve-cold-start
+MODE` (issue 24); without it they get the server's default.
+
     python3 benchmarks/e2e/online_ttft.py --configs none,pool-100 --rate 12 --duration 60 --out $OUT
 
 Results: replay-CONFIG.json (every request, and the summary: TTFT, TPOT,
-E2E percentiles) and online.json with the summaries.
+E2E percentiles) and online.json with the summaries and, for configs that
+send requests to adapters, TTFT split into each adapter's first request and
+the later ones (bench/replay.py `first_and_later`: n, percentiles).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -31,6 +37,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_e2e  # noqa: E402  (assets shared with the offline benchmark)
 
+from vllm_loraserve.bench import replay  # noqa: E402
+from vllm_loraserve.config import LoraServeConfig  # noqa: E402
 from vllm_loraserve.process import Server, free_port, vllm_executable  # noqa: E402
 
 BASE = "base"
@@ -42,6 +50,8 @@ COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "2
           "--max-num-batched-tokens", "16384", "--max-num-seqs", "1024"]
 LORA = ["--enable-lora", "--max-lora-rank", "128", "--lora-target-modules",
         *bench_e2e.TARGETS["qkvo"][1]]
+COLD_STARTS = next(f.metadata["choices"] for f in dataclasses.fields(LoraServeConfig)
+                   if f.name == "cold_start")
 # name -> (adapters in the trace, plugin on, requests sent to adapters);
 # pool-base-only serves 100 adapters and sends every request to the base model
 CONFIGS = {"none": (100, False, False), "stock-100": (100, False, True),
@@ -54,23 +64,30 @@ def loraserve_cli(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "vllm_loraserve.cli.main", *args], check=True)
 
 
-def server_args(name: str, root: str) -> list[str]:
+def pool_args(root: str, n: int, cold_start: str | None = None) -> list[str]:
+    """A plugin server's flags, serving the first n names of root/names
+    (bench_e2e.write_adapters) from the directory root/served-N; `cold_start`:
+    its --loraserve-cold-start, or None for the server's default."""
+    served = os.path.join(root, f"served-{n}")  # just these names
+    os.makedirs(served, exist_ok=True)
+    for i in range(n):
+        link = os.path.join(served, f"a{i:04d}")
+        if not os.path.lexists(link):
+            os.symlink(os.path.join(root, "names", f"a{i:04d}"), link)
+    # The served names are symlinks into root/names: a root adapters may resolve into.
+    return [*LORA, "--max-loras", "1", "--plugin", "loraserve", "--loraserve-adapter-dir",
+            served, "--loraserve-allowed-root", root,
+            *(["--loraserve-cold-start", cold_start] if cold_start else [])]
+
+
+def server_args(name: str, root: str, cold_start: str | None = None) -> list[str]:
     n, plugin, adapters = CONFIGS[name]
-    names = [f"a{i:04d}" for i in range(n)]
     if not plugin and not adapters:
         return []
     if not plugin:
         return [*LORA, "--max-loras", "32", "--max-cpu-loras", str(n), "--lora-modules",
-                *(f"{a}={os.path.join(root, 'names', a)}" for a in names)]
-    served = os.path.join(root, f"served-{n}")  # just this config's names
-    os.makedirs(served, exist_ok=True)
-    for a in names:
-        link = os.path.join(served, a)
-        if not os.path.lexists(link):
-            os.symlink(os.path.join(root, "names", a), link)
-    # The served names are symlinks into root/names: a root adapters may resolve into.
-    return [*LORA, "--max-loras", "1", "--plugin", "loraserve", "--loraserve-adapter-dir",
-            served, "--loraserve-allowed-root", root]
+                *(f"a{i:04d}={os.path.join(root, 'names', f'a{i:04d}')}" for i in range(n))]
+    return pool_args(root, n, cold_start)
 
 
 def model_map(name: str, catalog: str) -> dict[str, str]:
@@ -95,6 +112,9 @@ def main() -> None:
     ap.add_argument("--root", default="/dev/shm/loraserve-e2e")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/online-out"))
     ap.add_argument("--start-timeout-s", type=float, default=300)
+    ap.add_argument("--cold-start", choices=COLD_STARTS,
+                    help="--loraserve-cold-start of the plugin configs (default: the "
+                         "server's default)")
     a = ap.parse_args()
     # A time limit's SIGTERM unwinds through `finally`, which stops the server:
     # it runs in a session of its own, so nothing else would.
@@ -108,7 +128,8 @@ def main() -> None:
     bench_e2e.write_model(model, shape)
     bench_e2e.write_adapters(adapters, max(CONFIGS[c][0] for c in configs), shape,
                              bench_e2e.TARGETS["qkvo"][0], bench_e2e.DEFAULT_RANKS, 100)
-    summary: dict = {"rate": a.rate, "duration": a.duration, "configs": {}}
+    summary: dict = {"rate": a.rate, "duration": a.duration,
+                     "cold_start": a.cold_start or "server default", "configs": {}}
     for c in configs:
         n = CONFIGS[c][0]
         trace = os.path.join(a.out, f"trace-{n}.jsonl")
@@ -122,7 +143,8 @@ def main() -> None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         cmd = [vllm_executable(), "serve", model, *COMMON,
-               "--host", "127.0.0.1", "--port", str(port), *server_args(c, adapters)]
+               "--host", "127.0.0.1", "--port", str(port),
+               *server_args(c, adapters, a.cold_start)]
         server = Server(cmd, os.path.join(a.out, f"server-{c}.log"))
         result: dict = {"command": cmd[1:]}
         try:
@@ -133,7 +155,11 @@ def main() -> None:
             loraserve_cli("bench", "replay", "--trace", trace, "--url", url, "--out", out,
                           "--model-map", mapping, "--token-id-min", "4", "--token-id-max",
                           str(shape["vocab_size"]))
-            result["summary"] = json.load(open(out))["summary"]
+            records = json.load(open(out))
+            result["summary"] = records["summary"]
+            if CONFIGS[c][2]:
+                result["first_and_later"] = replay.first_and_later(
+                    [replay.Outcome(**r) for r in records["requests"]])
             result["status"] = "ok"
         except Exception as e:  # one config failing must not lose the others' results
             result["status"] = f"failed: {e}"
@@ -144,6 +170,9 @@ def main() -> None:
         print(f"[online] {c}: {result['status']}; TTFT {s.get('ttft_s')}; "
               f"{s.get('throughput_output_tok_s')} out tok/s; errors {s.get('errors')}",
               flush=True)
+        for part, b in result.get("first_and_later", {}).items():
+            print(f"[online] {c}: {part} requests of an adapter: n {b['n']}, TTFT p50 "
+                  f"{b['ttft_s'].get('p50')} s, p99 {b['ttft_s'].get('p99')} s", flush=True)
         json.dump(summary, open(os.path.join(a.out, "online.json"), "w"), indent=1)
 
 

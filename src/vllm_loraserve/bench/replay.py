@@ -75,8 +75,16 @@ def map_by_rank(trace: Sequence[Request], served: Mapping[str, int]) -> dict[str
     return mapping
 
 
-async def _one(client: httpx.AsyncClient, base_url: str, out: Outcome, prompt: list[int],
-               start: float) -> None:
+def token_prompt(rng: random.Random, length: int, vocab: tuple[int, int]) -> list[int]:
+    """`length` random token ids in [vocab[0], vocab[1]): a prompt of exactly
+    that many tokens (no tokenizer on the way)."""
+    return [rng.randrange(*vocab) for _ in range(length)]
+
+
+async def stream_one(client: httpx.AsyncClient, base_url: str, out: Outcome, prompt: list[int],
+                     start: float) -> None:
+    """Send one streamed completion and fill `out`'s timings (or its error);
+    `start` is the clock reading `out.sent_s` counts from."""
     body = {"model": out.model, "prompt": prompt, "max_tokens": out.output_len,
             "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -114,7 +122,7 @@ async def replay(trace: Sequence[Request], base_url: str, *, model_for: Callable
     from tqdm import tqdm
 
     rng = random.Random(seed)
-    prompts = [[rng.randrange(*vocab) for _ in range(r.prompt_len)] for r in trace]
+    prompts = [token_prompt(rng, r.prompt_len, vocab) for r in trace]
     outcomes = [Outcome(r.request_id, r.adapter, model_for(r), r.rank, r.prompt_len,
                         r.output_len) for r in trace]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -126,7 +134,7 @@ async def replay(trace: Sequence[Request], base_url: str, *, model_for: Callable
             delay = trace[i].arrival_s / time_scale - (time.perf_counter() - start)
             if delay > 0:
                 await asyncio.sleep(delay)
-            await _one(client, base_url, outcomes[i], prompts[i], start)
+            await stream_one(client, base_url, outcomes[i], prompts[i], start)
             bar.update(1)
 
         await asyncio.gather(*(fire(i) for i in range(len(trace))))
@@ -172,6 +180,27 @@ def summarize(outcomes: Sequence[Outcome], *, slo_ttft_s: float | None = None,
                         for a in sorted({o.adapter for o in outcomes})},
     })
     return summary
+
+
+def first_and_later(outcomes: Sequence[Outcome]) -> dict:
+    """TTFT of each served adapter's first request, apart from the later ones.
+
+    `first`: the earliest-sent request of each served name (`model`), the one
+    that finds its adapter in no tier of a server started empty; `later`:
+    every other request, also one sent while the first still waited for the
+    load. `n` counts requests; `errors` those without a TTFT, which the
+    percentiles leave out."""
+    first: dict[str, int] = {}
+    for i in sorted(range(len(outcomes)), key=lambda i: outcomes[i].sent_s):
+        first.setdefault(outcomes[i].model, i)
+    firsts = set(first.values())
+
+    def block(group: list[Outcome]) -> dict:
+        ttfts = [o.ttft_s for o in group if o.error is None and o.ttft_s is not None]
+        return {"n": len(group), "errors": len(group) - len(ttfts), "ttft_s": _pct(ttfts)}
+
+    return {"first": block([o for i, o in enumerate(outcomes) if i in firsts]),
+            "later": block([o for i, o in enumerate(outcomes) if i not in firsts])}
 
 
 def save(path: str, outcomes: Sequence[Outcome], summary: dict, meta: dict) -> None:
