@@ -67,6 +67,16 @@ def _reference(x, a, bt, scaling):
     return ((x.float() @ a.float().T) * scaling) @ bt.float()
 
 
+def _enqueue(ops, x, base, x_host, y_host, flags):
+    """base + the CPU's delta of x, waited for on the device: flags[0] set
+    when x is on the host, flags[1] awaited, flags[2] set on a timeout."""
+    y = base.clone()
+    ops.copy_to_host_and_flag(x, x_host, flags, 0, 1)
+    ops.wait_host_flag(flags, 1, 1, 1, int(30e9), 2)
+    y += y_host.to("cuda", non_blocking=True)
+    return y, y.float().square().sum()  # later work enqueues without waiting
+
+
 def test_cpu_result_round_trip_without_a_host_sync(ops):
     torch.manual_seed(0)
     n, k, m, r, scaling = 512, 4096, 4096, 16, 2.0
@@ -93,17 +103,18 @@ def test_cpu_result_round_trip_without_a_host_sync(ops):
         y_host.copy_(_reference(x_host, a, b.T, scaling).bfloat16())
         flags[1] = 1
 
+    # CUDA loads a kernel at its first launch (lazy module loading), and that
+    # load waits for the whole device, the flag wait included (on an H200 the
+    # enqueue took the wait's 30 s timeout): each kernel runs once first, on
+    # flags already set.
+    _enqueue(ops, x, base, x_host, y_host, torch.ones(8, dtype=torch.int64, pin_memory=True))
     torch.cuda.synchronize()
     thread = threading.Thread(target=cpu_lora)
     thread.start()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         with record_function("enqueue"):
-            y = base.clone()
-            ops.copy_to_host_and_flag(x, x_host, flags, 0, 1)
-            ops.wait_host_flag(flags, 1, 1, 1, int(30e9), 2)
-            y += y_host.to("cuda", non_blocking=True)
-            after = y.float().square().sum()  # later work enqueues without waiting
+            y, after = _enqueue(ops, x, base, x_host, y_host, flags)
         enqueue_s = time.perf_counter() - t0
         pending = not torch.cuda.current_stream().query()
         enqueued.set()

@@ -99,7 +99,7 @@ class GpuStep:
         self.cold = ColdStart(mode, self.grouped, DEV, self.side, pack,
                               lambda load, why: self.failed.setdefault(load.slot, why),
                               lambda load, s: None, CpuAssist())
-        self.cold.warm_up()
+        self.cold.warm_up(MODULES)
         self.grouped.gate = self.cold
         entry = adapters["cold"]
         self.load = PageLoad(2, SimpleNamespace(lora_int_id=10, lora_name="cold"),

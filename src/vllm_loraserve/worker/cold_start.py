@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,6 +68,7 @@ from vllm_loraserve.worker.load_lane import HostLane, StreamLane
 from vllm_loraserve.worker.pool import DevicePool, capturing
 
 MODES = ("block", "pipelined", "cpu-assist")
+WARM_ROWS = 16  # rows of the cpu-assist warm-up (an even number: two adapters' rows)
 # Packs a group's layers from the file's bytes (on the device): [layers, n] streams.
 Pack = Callable[[HostAdapter, range, torch.Tensor], torch.Tensor]
 
@@ -147,8 +148,25 @@ class ColdStart:
         self.assisted_groups = 0  # (adapter, layer group) pairs computed on the CPU
         self.pack_s = self.write_s = 0.0
 
-    def warm_up(self) -> None:
+    def warm_up(self, modules: Iterable[ModuleSlices] = ()) -> None:
+        """Before serving: the flags' kernels, and in cpu-assist mode on CUDA
+        the device half of `after_layer` for each module kind. CUDA loads a
+        kernel at its first launch (lazy module loading), and that load waits
+        for the whole device, the side stream's held-back group writes
+        included: a step's first CPU delta must not be the first launch of
+        these kernels (on an H200 it was, and every group had landed by the
+        time the layer ran)."""
         self.flags.warm_up()
+        if self.mode != "cpu-assist" or self.device.type != "cuda":
+            return
+        dtype = self.pool.pages[0].dtype
+        rows = torch.cat([torch.arange(WARM_ROWS // 2, device=self.device)] * 2)
+        for m in modules:
+            x = torch.zeros(WARM_ROWS, m.in_features, dtype=dtype, device=self.device)
+            y = torch.zeros(WARM_ROWS, sum(m.out_features), dtype=dtype, device=self.device)
+            xs = self._rows_to_host(x, rows)
+            self._add_delta(y, rows, torch.zeros(xs.shape[0], y.shape[1]))
+        torch.cuda.synchronize(self.device)
 
     # -- per step (paged_manager) ------------------------------------------
     def begin_step(self) -> None:
@@ -262,8 +280,7 @@ class ColdStart:
         if not live:
             return
         rows = torch.cat([c.rows for c in live]) if len(live) > 1 else live[0].rows
-        # Waits for the device to reach this layer (issue 24 item 3 removes it).
-        xs = x.index_select(0, rows).cpu()
+        xs = self._rows_to_host(x, rows)
         out = torch.zeros(rows.numel(), sum(module.out_features), dtype=torch.float32)
         lo = 0
         for c in live:
@@ -276,6 +293,16 @@ class ColdStart:
                     self.assist.delta(xs[lo:lo + n], a, b.T, c.entry.scaling,
                                       out=out[lo:lo + n, col:col + n_out])
             lo += n
-        delta = out.to(y.device)
-        # One rounding to y's dtype, as the expand kernel's.
-        y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
+        self._add_delta(y, rows, out)
+
+    @staticmethod
+    def _rows_to_host(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # Waits for the device to reach this layer (issue 24 item 3 removes it).
+        return x.index_select(0, rows).cpu()
+
+    @staticmethod
+    def _add_delta(y: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:
+        """y[rows] += delta (fp32, on the CPU), with one rounding to y's
+        dtype, as the expand kernel's."""
+        y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta.to(y.device))
+                      .to(y.dtype))

@@ -211,7 +211,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         t0 = time.perf_counter()
         variants = self.pool.warm_up(self._module_kinds)
         if self.cold is not None:
-            self.cold.warm_up()
+            self.cold.warm_up(self._module_kinds)
         logger.info("vllm-loraserve pool bound: %d layers, %d pages of %d elements, %s kernels "
                     "(%d variants warmed up in %.1f s)", self.num_layers, kv_caches[0].shape[0],
                     self.pool.layout.page_size, type(self.pool.backend).__name__, variants,
