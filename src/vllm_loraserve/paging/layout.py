@@ -182,6 +182,25 @@ def pack_layers(
     return out
 
 
+def warm_up_pack(layout: LayerLayout, dtype: torch.dtype, device: torch.device,
+                 sources: Sequence[torch.dtype] = (torch.bfloat16, torch.float16,
+                                                   torch.float32)) -> None:
+    """Pack a small synthetic adapter once per file dtype in `sources` (two
+    layers, the second without the last slice: both of `pack_layers`' paths),
+    so that every kernel a page load launches on `device` has launched once
+    (CUDA loads a kernel at its first launch; worker/paged_manager.py says
+    why that matters)."""
+    rank = 16  # >1: B's transposed rows take the strided copy a real load takes
+    names = [s.name for s in layout.slices]
+    placement = layout.place(rank, names)
+    for src in sources:
+        full = {s.name: (torch.zeros(rank, s.in_features, dtype=src, device=device),
+                         torch.zeros(s.out_features, rank, dtype=src, device=device))
+                for s in layout.slices}
+        partial = {n: full[n] for n in names[:-1]} or full
+        pack_layers(layout, placement, [full, partial], 1.0, dtype)
+
+
 def write_pages(pool: torch.Tensor, page_ids: Sequence[int], stream: torch.Tensor,
                 page_size: int) -> None:
     """Copy a packed stream into `pool` ([num_pages, page_size]) at `page_ids`."""

@@ -57,7 +57,7 @@ from vllm_loraserve._patching import overlay
 from vllm_loraserve.adapters.peft import read_weights, short_name
 from vllm_loraserve.config import LoraServeConfig
 from vllm_loraserve.kernels.batch import ModuleSlices
-from vllm_loraserve.paging.layout import pack_layers
+from vllm_loraserve.paging.layout import pack_layers, warm_up_pack
 from vllm_loraserve.paging.model import max_file_bytes, model_layout, module_slice_names
 from vllm_loraserve.paging.step import PageLoad, PoolReport, PoolStep, Prefetch
 from vllm_loraserve.worker.arena import PinnedArena
@@ -211,6 +211,11 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         t0 = time.perf_counter()
         variants = self.pool.warm_up(self._module_kinds)
         if self.cold is not None:
+            if self.pool.device.type == "cuda":
+                # CUDA loads a kernel at its first launch, and that load waits for
+                # the whole device: a cold start's first group packed on the side
+                # stream would wait for the forward pass it should run beside.
+                warm_up_pack(self.pool.layout, self.lora_config.lora_dtype, self.pool.device)
             self.cold.warm_up(self._module_kinds)
         logger.info("vllm-loraserve pool bound: %d layers, %d pages of %d elements, %s kernels "
                     "(%d variants warmed up in %.1f s)", self.num_layers, kv_caches[0].shape[0],
