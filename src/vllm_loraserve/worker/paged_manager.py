@@ -210,12 +210,12 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self.pool.bind(kv_caches)
         t0 = time.perf_counter()
         variants = self.pool.warm_up(self._module_kinds)
+        if self.pool.device.type == "cuda":
+            # CUDA loads a kernel at its first launch, and that load waits for the
+            # whole device: the first load packed on the side stream (ahead, or a
+            # cold start's group) would wait for the forward pass it should run beside.
+            warm_up_pack(self.pool.layout, self.lora_config.lora_dtype, self.pool.device)
         if self.cold is not None:
-            if self.pool.device.type == "cuda":
-                # CUDA loads a kernel at its first launch, and that load waits for
-                # the whole device: a cold start's first group packed on the side
-                # stream would wait for the forward pass it should run beside.
-                warm_up_pack(self.pool.layout, self.lora_config.lora_dtype, self.pool.device)
             self.cold.warm_up(self._module_kinds)
         logger.info("vllm-loraserve pool bound: %d layers, %d pages of %d elements, %s kernels "
                     "(%d variants warmed up in %.1f s)", self.num_layers, kv_caches[0].shape[0],
