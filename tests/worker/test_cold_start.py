@@ -100,6 +100,7 @@ class Step:
         self.cold = ColdStart(mode, self.grouped, torch.device("cpu"), None, pack,
                               self._fail, lambda load, s: self.done.append(load.slot),
                               CpuAssist())
+        self.cold.warm_up(MODULES)  # as at bind: must leave no trace in the pools
         self.grouped.gate = self.cold
         self.loads = []
         for i, name in enumerate(cold):

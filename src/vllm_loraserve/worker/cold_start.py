@@ -149,15 +149,15 @@ class ColdStart:
         self.pack_s = self.write_s = 0.0
 
     def warm_up(self, modules: Iterable[ModuleSlices] = ()) -> None:
-        """Before serving: the flags' kernels, and in cpu-assist mode on CUDA
+        """Before serving: the flags' kernels, and in cpu-assist mode
         the device half of `after_layer` for each module kind. CUDA loads a
         kernel at its first launch (lazy module loading), and that load waits
         for the whole device, the side stream's held-back group writes
         included: a step's first CPU delta must not be the first launch of
         these kernels (on an H200 it was, and every group had landed by the
-        time the layer ran)."""
+        time the layer ran). On the CPU it costs nothing and runs the same path."""
         self.flags.warm_up()
-        if self.mode != "cpu-assist" or self.device.type != "cuda":
+        if self.mode != "cpu-assist":
             return
         dtype = self.pool.pages[0].dtype
         rows = torch.cat([torch.arange(WARM_ROWS // 2, device=self.device)] * 2)
@@ -166,7 +166,8 @@ class ColdStart:
             y = torch.zeros(WARM_ROWS, sum(m.out_features), dtype=dtype, device=self.device)
             xs = self._rows_to_host(x, rows)
             self._add_delta(y, rows, torch.zeros(xs.shape[0], y.shape[1]))
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- per step (paged_manager) ------------------------------------------
     def begin_step(self) -> None:
