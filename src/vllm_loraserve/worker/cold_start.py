@@ -68,7 +68,7 @@ from vllm_loraserve.worker.load_lane import HostLane, StreamLane
 from vllm_loraserve.worker.pool import DevicePool, capturing
 
 MODES = ("block", "pipelined", "cpu-assist")
-WARM_ROWS = 16  # rows of the cpu-assist warm-up (an even number: two adapters' rows)
+WARM_ROWS = 16  # rows of the cpu-assist warm-up
 # Packs a group's layers from the file's bytes (on the device): [layers, n] streams.
 Pack = Callable[[HostAdapter, range, torch.Tensor], torch.Tensor]
 
@@ -160,7 +160,8 @@ class ColdStart:
         if self.mode != "cpu-assist":
             return
         dtype = self.pool.pages[0].dtype
-        rows = torch.cat([torch.arange(WARM_ROWS // 2, device=self.device)] * 2)
+        # Two adapters' rows, as after_layer concatenates them (distinct rows).
+        rows = torch.cat(torch.arange(WARM_ROWS, device=self.device).chunk(2))
         for m in modules:
             x = torch.zeros(WARM_ROWS, m.in_features, dtype=dtype, device=self.device)
             y = torch.zeros(WARM_ROWS, sum(m.out_features), dtype=dtype, device=self.device)

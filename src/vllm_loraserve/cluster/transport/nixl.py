@@ -141,8 +141,6 @@ def adapter_files(store: AdapterStore, name: str) -> list[tuple[str, str]]:
     return sorted(out)
 
 
-
-
 # -- the agent calls (nixl._api.nixl_agent, 1.5.1) ----------------------------
 
 def offer(agent: Any, regions: Sequence[Region], memory: str) -> tuple[Any, bytes]:
