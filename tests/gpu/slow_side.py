@@ -5,20 +5,57 @@ cpu-assist layer really finds its group not landed.
 
     python slow_side.py spec.json out.json
 
-spec: as vllm_generate.py, plus "delay_cycles".
+spec: as vllm_generate.py, plus "delay_cycles". Where $LORASERVE_RESULTS_DIR
+is set, a probe of each load step goes to slow_side-<pid>.jsonl there: the
+host seconds of `ColdStart.load` and of its slowest group write, and
+whether group 0 had landed when layer 0 asked (a host wait inside the load
+lets the held-back groups land before the forward pass reaches them).
 """
 
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "e2e"))
+
+
+def _probe(cold_start, out_dir: str) -> None:
+    path = os.path.join(out_dir, f"slow_side-{os.getpid()}.jsonl")
+    step: dict = {}
+    load, write, before = (cold_start.ColdStart.load, cold_start.ColdStart._write,
+                           cold_start.ColdStart.before_layer)
+
+    def timed_load(self, loads):
+        step.clear()
+        step.update(mode=self.mode, adapters=len(loads), write_max_s=0.0)
+        t0 = time.perf_counter()
+        load(self, loads)
+        step["load_s"] = time.perf_counter() - t0
+        step["loaded_at"] = time.perf_counter()
+
+    def timed_write(self, cold, g):
+        t0 = time.perf_counter()
+        write(self, cold, g)
+        step["write_max_s"] = max(step.get("write_max_s", 0.0), time.perf_counter() - t0)
+
+    def probed_before(self, layer, x):
+        if layer == 0 and "loaded_at" in step:
+            step["layer0_after_s"] = time.perf_counter() - step.pop("loaded_at")
+            step["group0_landed"] = self.lane.landed(0)
+            with open(path, "a") as f:
+                f.write(json.dumps(step) + "\n")
+        before(self, layer, x)
+
+    cold_start.ColdStart.load = timed_load
+    cold_start.ColdStart._write = timed_write
+    cold_start.ColdStart.before_layer = probed_before
 
 
 def main() -> None:
     import torch
 
-    from vllm_loraserve.worker import load_lane
+    from vllm_loraserve.worker import cold_start, load_lane
 
     cycles = json.load(open(sys.argv[1]))["delay_cycles"]
     start = load_lane.StreamLane.start
@@ -29,6 +66,8 @@ def main() -> None:
         start(self)
 
     load_lane.StreamLane.start = delayed
+    if os.environ.get("LORASERVE_RESULTS_DIR"):
+        _probe(cold_start, os.environ["LORASERVE_RESULTS_DIR"])
 
     from vllm_generate import main as generate
 
