@@ -237,8 +237,11 @@ def test_cold_start_modes_match_hf_peft_with_cuda_graphs(fixed_dir, tmp_path):
         (tmp_path / mode).mkdir()
         engine = {**ENGINE, "additional_config": {"loraserve": {
             "cold_start": mode, "cold_start_group_layers": 1}}}
+        # Held ~0.5 s: the host alone takes ~25 ms to queue 8 adapters' group
+        # writes (slow_side.py's probe, H200), and a shorter hold (10 ms) let
+        # every group land before layer 0 asked.
         extra = {} if mode == "block" else {"script": "../gpu/slow_side.py",
-                                            "delay_cycles": 20_000_000}
+                                            "delay_cycles": 1_000_000_000}
         runs[mode] = run_vllm(tmp_path / mode, model, reqs, engine, MAX_TOKENS, env=env,
                               dtype="bfloat16", **extra)
     ref = HFReference(model, device="cuda")
