@@ -12,6 +12,7 @@ whether group 0 had landed when layer 0 asked (a host wait inside the load
 lets the held-back groups land before the forward pass reaches them).
 """
 
+import functools
 import json
 import os
 import sys
@@ -28,7 +29,8 @@ def _probe(cold_start, out_dir: str) -> None:
 
     def timed_load(self, loads):
         step.clear()
-        step.update(mode=self.mode, adapters=len(loads), write_max_s=0.0)
+        step.update(mode=self.mode, adapters=len(loads), write_max_s=0.0,
+                    module_loading=os.environ.get("CUDA_MODULE_LOADING", ""))
         t0 = time.perf_counter()
         load(self, loads)
         step["load_s"] = time.perf_counter() - t0
@@ -50,6 +52,35 @@ def _probe(cold_start, out_dir: str) -> None:
     cold_start.ColdStart.load = timed_load
     cold_start.ColdStart._write = timed_write
     cold_start.ColdStart.before_layer = probed_before
+
+    # Host seconds since the load, at the entry and exit of each step of
+    # vLLM's runner between it and layer 0: where the host waits, if it does.
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_loraserve.worker.paged_manager import PagedWorkerLoRAManager
+
+    def marked(cls, name):
+        fn = getattr(cls, name)
+
+        @functools.wraps(fn)  # the plugin's compat check reads the signature
+        def wrapper(*a, **kw):
+            if "loaded_at" in step:
+                step.setdefault("marks", []).append(
+                    (name, round(time.perf_counter() - step["loaded_at"], 4)))
+            out = fn(*a, **kw)
+            if "loaded_at" in step:
+                step.setdefault("marks", []).append((name + " done",
+                                      round(time.perf_counter() - step["loaded_at"], 4)))
+                if name == "_determine_batch_execution_and_padding":
+                    step["cudagraph_mode"] = str(out[0])
+            return out
+        setattr(cls, name, wrapper)
+
+    for name in ("_update_states", "_prepare_inputs", "_determine_batch_execution_and_padding",
+                 "_get_slot_mappings", "_build_attention_metadata", "_preprocess"):
+        marked(GPUModelRunner, name)
+    for name in ("apply_step", "set_active_adapters"):
+        marked(PagedWorkerLoRAManager, name)
 
 
 def main() -> None:
