@@ -3,7 +3,7 @@ not a test. Runs the modes' e2e case (test_cold_start_gpu.py) in cpu-assist
 mode only, once with CUDA's lazy module loading (the default) and once with
 CUDA_MODULE_LOADING=EAGER, each with slow_side.py's probe:
 
-    LORASERVE_RESULTS_DIR=$OUT python3 tests/gpu/probe_cold_step.py
+    LORASERVE_RESULTS_DIR=$OUT [PROBE_LOADING=EAGER] python3 tests/gpu/probe_cold_step.py
 
 The probe lines (slow_side-<pid>.jsonl) and a summary (probe_cold_step.json)
 go to $LORASERVE_RESULTS_DIR.
@@ -27,7 +27,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="probe-cold-"))
     model, reqs = build_case(root / "case")
     summary = {}
-    for loading in ("LAZY", "EAGER"):
+    for loading in os.environ.get("PROBE_LOADING", "LAZY,EAGER").split(","):
         run_dir = root / loading
         run_dir.mkdir()
         engine = {**ENGINE, "additional_config": {"loraserve": {
