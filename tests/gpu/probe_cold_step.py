@@ -1,7 +1,8 @@
 """Where the host waits in a cpu-assist load step on a GPU: a diagnostic,
 not a test. Runs the modes' e2e case (test_cold_start_gpu.py) in cpu-assist
 mode only, once with CUDA's lazy module loading (the default) and once with
-CUDA_MODULE_LOADING=EAGER, each with slow_side.py's probe:
+CUDA_MODULE_LOADING=EAGER, each with slow_side.py's probe, and each with
+the warm round (the probe's lines show both rounds' load steps):
 
     LORASERVE_RESULTS_DIR=$OUT [PROBE_LOADING=EAGER] python3 tests/gpu/probe_cold_step.py
 
@@ -36,7 +37,7 @@ def main() -> None:
                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                             "CUDA_MODULE_LOADING": loading},
                        dtype="bfloat16", script="../gpu/slow_side.py",
-                       delay_cycles=1_000_000_000)
+                       delay_cycles=1_000_000_000, warm_round=True)
         summary[loading] = run["residency"]["pool"]
         print(loading, {k: summary[loading][k] for k in ("pipelined_groups", "assisted_groups")},
               flush=True)
