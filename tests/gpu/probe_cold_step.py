@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.e2e.reference import run_vllm  # noqa: E402
 from tests.gpu.case import MAX_TOKENS, build_case  # noqa: E402
-from tests.gpu.test_cold_start_gpu import ENGINE  # noqa: E402
+from tests.gpu.test_cold_start_gpu import DELAY_CYCLES, ENGINE  # noqa: E402
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                             "CUDA_MODULE_LOADING": loading},
                        dtype="bfloat16", script="../gpu/slow_side.py",
-                       delay_cycles=1_000_000_000, warm_round=True)
+                       delay_cycles=DELAY_CYCLES, warm_round=True)
         summary[loading] = run["residency"]["pool"]
         print(loading, {k: summary[loading][k] for k in ("pipelined_groups", "assisted_groups")},
               flush=True)

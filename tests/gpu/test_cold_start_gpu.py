@@ -58,8 +58,11 @@ DTYPE = torch.bfloat16
 # CPU deltas' start-up (0.25 s was not, on an H200: a cpu-assist layer found group 2 landed).
 HOLD_CYCLES = 4_000_000_000
 TOL = Bf16Tolerance()
-# Side-stream sleep before each step's group writes in the e2e test, per mode.
-DELAY_CYCLES = {"pipelined": 20_000_000, "cpu-assist": 2_000_000_000}
+# Side-stream sleep before each load step's group writes in the e2e test
+# (~0.5 s): the host alone takes ~25 ms to queue 8 adapters' group writes
+# (slow_side.py's probe, H200), and the 10 ms held until 2026-11-25 let every
+# group land before layer 0 asked.
+DELAY_CYCLES = 1_000_000_000
 
 
 def pack(entry, layers, data):
@@ -240,11 +243,8 @@ def test_cold_start_modes_match_hf_peft_with_cuda_graphs(fixed_dir, tmp_path):
         (tmp_path / mode).mkdir()
         engine = {**ENGINE, "additional_config": {"loraserve": {
             "cold_start": mode, "cold_start_group_layers": 1}}}
-        # Held ~0.5 s: the host alone takes ~25 ms to queue 8 adapters' group
-        # writes (slow_side.py's probe, H200), and a shorter hold (10 ms) let
-        # every group land before layer 0 asked.
         extra = {} if mode == "block" else {"script": "../gpu/slow_side.py",
-                                            "delay_cycles": 1_000_000_000}
+                                            "delay_cycles": DELAY_CYCLES}
         # A warm round first: the load step's forward (eager: ~1900 tokens)
         # launched a kernel for the first time, and CUDA's lazy loading held
         # the host until the side stream was done, so every group had landed
