@@ -245,10 +245,11 @@ def test_cold_start_modes_match_hf_peft_with_cuda_graphs(fixed_dir, tmp_path):
             "cold_start": mode, "cold_start_group_layers": 1}}}
         extra = {} if mode == "block" else {"script": "../gpu/slow_side.py",
                                             "delay_cycles": DELAY_CYCLES}
-        # A warm round first: the load step's forward (eager: ~1900 tokens)
-        # launched a kernel for the first time, and CUDA's lazy loading held
-        # the host until the side stream was done, so every group had landed
-        # by layer 0 (probe, 2026-11-25). Once warm, the same step is not held.
+        # A warm round first: in the first load step's forward (eager, 1768
+        # tokens) the host waited for the whole side-stream hold before layer
+        # 0, so every group had landed (probe, 2026-11-25); likely a kernel's
+        # first launch (CUDA's lazy loading). The measured round repeats that
+        # step's shape.
         runs[mode] = run_vllm(tmp_path / mode, model, reqs, engine, MAX_TOKENS, env=env,
                               dtype="bfloat16", warm_round=True, **extra)
     ref = HFReference(model, device="cuda")

@@ -28,6 +28,15 @@ group by layer group (`cold_start_group_layers` layers each):
   Such a step runs eagerly (`force_eager`: worker/hooks.py has vLLM pick no
   CUDA graph for it); later steps, decode included, run on the GPU.
 
+A step whose host waits for the device before its first layer finds its
+groups landed and runs them on the GPU, as `pipelined` does: correct, but
+without the CPU's head start. On an H200 the modes' e2e test's first load
+step waited so inside vLLM's (eager) forward pass, before layer 0, for the
+whole side-stream hold (docs/benchmarks/cold-start.md, session 13). The
+likely cause, not yet confirmed, is CUDA's lazy loading: a kernel's first
+launch in the process (e.g. a GEMM at a token count no step has had) waits
+for the whole device.
+
 Ordering and deadlock freedom: the side stream waits for the main stream
 once per step, before the first group (`StreamLane.start`: the pages' last
 readers, as KV or as another adapter, and the table rows), and never again
