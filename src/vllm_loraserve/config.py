@@ -25,7 +25,8 @@ ADDITIONAL_CONFIG_KEY = "loraserve"
 # Every other field is read at run time only (RUNTIME_FIELDS); a new field
 # must join one of the two (tests/worker/test_compile_key.py).
 COMPILE_FIELDS = ("pool", "kernel", "max_slots", "cold_start", "cold_start_group_layers")
-RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads")
+RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads",
+                  "cpu_assist_workers")
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -120,6 +121,16 @@ class LoraServeConfig:
         "32-layer model at 8 groups.",
         flag="--loraserve-cold-start-group-layers",
     )
+    cpu_assist_workers: int = _opt(
+        0,
+        "'cpu-assist': CPU worker processes that compute the deltas, each pinned "
+        "to its own core, fed through shared memory, with the rows split by each "
+        "core's speed profiled at start-up (Toppings). 0: as many as the machine "
+        "can spare beside vLLM (its engine, its GPU worker and the host tier's "
+        "readers; at most 16). -1: no workers, the engine process's own threads "
+        "compute them.",
+        flag="--loraserve-cpu-assist-workers",
+    )
 
     def __post_init__(self) -> None:
         for name in ("adapter_dirs", "allowed_roots"):
@@ -131,9 +142,10 @@ class LoraServeConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"loraserve.{f.name} must be one of {list(choices)}, "
                                  f"got {getattr(self, f.name)!r}")
-        for name in ("host_cache_bytes", "read_threads", "max_slots", "cold_start_group_layers"):
+        for name in ("host_cache_bytes", "read_threads", "max_slots", "cold_start_group_layers",
+                     "cpu_assist_workers"):
             value = getattr(self, name)
-            low = 0 if name == "host_cache_bytes" else 1
+            low = {"host_cache_bytes": 0, "cpu_assist_workers": -1}.get(name, 1)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"loraserve.{name} must be an integer >= {low}, got {value!r}")
 

@@ -72,6 +72,8 @@ def test_cold_start_mode_equals_block_and_hf_peft(case, block, mode, tmp_path):
     assert pool["cold_start"] == mode and pool["page_loads"] == 6 and cold > 0
     assert pool["pipelined_groups"] == 2 * cold  # two groups each
     assert pool["assisted_groups"] == (2 * cold if mode == "cpu-assist" else 0)
+    # cpu-assist's deltas ran on its CPU worker processes (the default).
+    assert (pool["cpu_assist_workers"] >= 1) == (mode == "cpu-assist")
     assert block["residency"]["pool"]["pipelined_groups"] == 0
 
 

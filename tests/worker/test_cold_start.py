@@ -8,7 +8,9 @@ sees what a layer would read if it skipped its wait: pages never written."""
 from __future__ import annotations
 
 import math
+import os
 import re
+import signal
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,6 +26,7 @@ from vllm_loraserve.paging.step import PageLoad
 from vllm_loraserve.worker import cold_start as cold_mod
 from vllm_loraserve.worker.assist import CpuAssist
 from vllm_loraserve.worker.cold_start import ColdStart, group_spans, layer_groups
+from vllm_loraserve.worker.cpu_lora.pool import AssistError, CpuPoolConfig, CpuWorkerPool
 from vllm_loraserve.worker.group_flags import FlagTimeout
 from vllm_loraserve.worker.host_tier import HostAdapter
 from vllm_loraserve.worker.pool import DevicePool
@@ -79,7 +82,7 @@ class Step:
     """A block pool and a group-loading pool over equal KV, the warm adapter
     resident in both, `cold` adapters loading in this step."""
 
-    def __init__(self, adapters, mode, backend="torch", cold=("cold",)):
+    def __init__(self, adapters, mode, backend="torch", cold=("cold",), assist=None):
         self.adapters, self.names = adapters, cold
         self.failed: dict[int, str] = {}
         self.done: list[int] = []
@@ -99,7 +102,7 @@ class Step:
         self.block, self.grouped = self.pools
         self.cold = ColdStart(mode, self.grouped, torch.device("cpu"), None, pack,
                               self._fail, lambda load, s: self.done.append(load.slot),
-                              CpuAssist())
+                              assist or CpuAssist())
         self.cold.warm_up(MODULES)  # as at bind: must leave no trace in the pools
         self.grouped.gate = self.cold
         self.loads = []
@@ -260,6 +263,71 @@ def test_a_delta_counted_twice_breaks_the_equality(adapters, monkeypatch, hidden
     x, y0 = inputs()
     outs = step.layer(0, x, y0)
     assert all(torch.allclose(yg, yb, atol=1e-4) for yb, yg in outs) == hidden
+
+
+class FailingFor(CpuAssist):
+    """CpuAssist, but a delta of one adapter's weights raises AssistError."""
+
+    def __init__(self, entry: HostAdapter) -> None:
+        self.bad = {a.data_ptr() for w in entry.layer_weights(range(LAYERS))
+                    for a, _ in w.values()}
+
+    def delta(self, x, a, bt, scaling, out_dtype=torch.float32, out=None):
+        if a.data_ptr() in self.bad:
+            raise AssistError("injected")
+        return super().delta(x, a, bt, scaling, out_dtype, out)
+
+
+def test_a_failed_cpu_delta_fails_its_adapter_alone(adapters):
+    step = Step(adapters, "cpu-assist", cold=("cold", "cold2"),
+                assist=FailingFor(adapters["cold2"]))
+    step.tokens(TOKENS)
+    x, y0 = inputs()
+    rows = [i for i, t in enumerate(TOKENS) if t != 11]  # cold2's rows aside
+    for layer in range(LAYERS):
+        for yb, yg in step.layer(layer, x, y0):
+            torch.testing.assert_close(yg[rows], yb[rows], rtol=1e-5, atol=1e-5)
+    assert list(step.failed) == [11] and "CPU-assisted delta failed" in step.failed[11] \
+        and "injected" in step.failed[11]
+    # Both adapters' group 0 on the CPU (cold2 failed in layer 0), then cold's alone.
+    assert step.cold.assisted_groups == 2 + (LAYERS // GROUP - 1)
+    step.cold.end_forward()
+    assert 11 not in step.grouped.slot_of and step.done == [2]
+
+
+def test_cpu_worker_processes_compute_the_deltas_and_a_dead_one_falls_back(adapters):
+    """cpu-assist on CpuWorkerPool (one worker process; weights outside its
+    shared segments are staged): equal to block. A killed worker fails the
+    adapters of the delta that found it dead, alone; later deltas run on
+    the engine's threads, and the worker count reported drops to 0."""
+    pool = CpuWorkerPool(CpuPoolConfig(workers=1, max_rows=64, max_in=96, max_out=192,
+                                       max_rank=32, timeout_s=60.0))
+    try:
+        step = Step(adapters, "cpu-assist", cold=("cold", "cold2"), assist=pool)
+        assert step.cold.assist_workers == 1
+        step.tokens(TOKENS)
+        x, y0 = inputs()
+        for layer in range(GROUP):  # group 0, on the workers
+            for yb, yg in step.layer(layer, x, y0):
+                torch.testing.assert_close(yg, yb, rtol=1e-5, atol=1e-5)
+        assert pool.stats.jobs > 0 and not step.failed
+        os.kill(pool.pids[0], signal.SIGKILL)
+        rows = [i for i, t in enumerate(TOKENS) if t not in (10, 11)]
+        for layer in range(GROUP, LAYERS):
+            for yb, yg in step.layer(layer, x, y0):
+                torch.testing.assert_close(yg[rows], yb[rows], rtol=1e-5, atol=1e-5)
+        # The first delta after the kill found the pool dead: its adapter
+        # failed; the other went on with the engine's threads.
+        assert len(step.failed) == 1 and "WorkerFailure" in next(iter(step.failed.values()))
+        assert step.cold.assist_workers == 0 and isinstance(step.cold.assist, CpuAssist)
+        alive = ({10, 11} - set(step.failed)).pop()
+        alive_rows = [i for i, t in enumerate(TOKENS) if t == alive]
+        x, y0 = inputs()
+        # Its outputs in the last layer equal block's (computed on the threads).
+        for yb, yg in step.layer(LAYERS - 1, x, y0):
+            torch.testing.assert_close(yg[alive_rows], yb[alive_rows], rtol=1e-5, atol=1e-5)
+    finally:
+        pool.close()
 
 
 def test_a_group_write_that_fails_fails_its_adapter_alone(adapters, monkeypatch):

@@ -27,7 +27,7 @@ def test_runtime_fields_leave_the_compile_cache_key_alone():
     hooks.install()
     base = _config().compute_hash()
     runtime = _config(adapter_dirs=["/srv/a"], allowed_roots=["/srv"],
-                      host_cache_bytes=1 << 30, read_threads=2)
+                      host_cache_bytes=1 << 30, read_threads=2, cpu_assist_workers=3)
     assert runtime.compute_hash() == base
     assert _config(**LoraServeConfig().to_dict()).compute_hash() == base  # defaults spelled out
     for changed in (dict(pool="vllm"), dict(kernel="torch"), dict(max_slots=64),
@@ -37,7 +37,7 @@ def test_runtime_fields_leave_the_compile_cache_key_alone():
     assert VllmConfig().compute_hash() != base
     assert runtime.additional_config == {"loraserve": {
         "adapter_dirs": ["/srv/a"], "allowed_roots": ["/srv"], "host_cache_bytes": 1 << 30,
-        "read_threads": 2}}
+        "read_threads": 2, "cpu_assist_workers": 3}}
     # Without the plugin's key, vLLM's own hash.
     plain = VllmConfig(additional_config={"other": 1})
     assert plain.compute_hash() == original(VllmConfig.compute_hash)(plain)

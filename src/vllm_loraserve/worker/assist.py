@@ -10,14 +10,14 @@ x: the cold adapter's rows of the layer input, on the CPU; a [r, in] and bt
 of the weights file (worker/host_tier.py; any strides). The caller
 (worker/cold_start.py) copies x down and the result up, and adds it.
 
-This first version is plain torch on the engine's CPU threads, called
-synchronously from the layer: copying x to the host waits for the device to
-reach that layer (issue 24 item 3 removes the wait). `Delta` is the
-interface a replacement must keep: worker/cpu_lora/pool.py's
-`CpuWorkerPool.delta` (CPU processes over shared memory) has this
-signature, and its `enqueue` (the csrc/ op: x copied and flagged on the
-stream, no host wait) is the sync-free path that will take the caller's
-copy-down/copy-up too.
+`CpuAssist` is plain torch on the engine's CPU threads
+(--loraserve-cpu-assist-workers -1, and after the workers failed). By
+default worker/cpu_lora/pool.py's `CpuWorkerPool.delta` (CPU processes over
+shared memory) computes the deltas through the same `Delta` interface.
+Either is called synchronously from the layer: copying x to the host waits
+for the device to reach that layer. `CpuWorkerPool.enqueue` (the csrc/ op:
+x copied and flagged on the stream, no host wait) is the sync-free path
+that would take the caller's copy-down/copy-up too; it is not wired in yet.
 """
 
 from __future__ import annotations

@@ -20,8 +20,11 @@ group by layer group (`cold_start_group_layers` layers each):
   slot table rows are hidden from the kernels (`DevicePool.hide`) while the
   forward pass runs on CPU deltas: at a group's first layer, if the group has
   not landed yet (`landed`: an event query, no wait), its layers add the
-  cold adapters' deltas computed on the CPU from the host tier's copy
-  (worker/assist.py; x is copied to the host, which waits for the device).
+  cold adapters' deltas computed on the CPU from the host tier's copy (by
+  the CPU worker processes of worker/cpu_lora/pool.py, or worker/assist.py
+  on this process's threads; x is copied to the host, which waits for the
+  device). A delta that fails fails its adapter alone; a dead worker makes
+  the later deltas run on this process's threads (logged, and reported).
   From the first group that has landed on, the rows are shown again and the
   layers run the GPU kernels, waiting on each group's flag as `pipelined`
   does. A delta is thus computed on the CPU or by the kernels, never both.
@@ -60,6 +63,7 @@ before it.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -70,11 +74,14 @@ import torch
 
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.step import PageLoad
-from vllm_loraserve.worker.assist import Delta
+from vllm_loraserve.worker.assist import CpuAssist, Delta
+from vllm_loraserve.worker.cpu_lora.pool import AssistError, CpuWorkerPool, WorkerFailure
 from vllm_loraserve.worker.group_flags import GroupFlags
 from vllm_loraserve.worker.host_tier import HostAdapter
 from vllm_loraserve.worker.load_lane import HostLane, StreamLane
 from vllm_loraserve.worker.pool import DevicePool, capturing
+
+logger = logging.getLogger(f"vllm.{__name__}")
 
 MODES = ("block", "pipelined", "cpu-assist")
 WARM_ROWS = 16  # rows of the cpu-assist warm-up
@@ -296,15 +303,36 @@ class ColdStart:
         lo = 0
         for c in live:
             n, weights = c.rows.numel(), c.weights[layer]
-            for s, (col, n_out) in enumerate(zip(module.out_offsets, module.out_features,
-                                                 strict=True)):
-                ab = weights.get(self.pool.slices[module.first + s].name)
-                if ab is not None:
-                    a, b = ab
-                    self.assist.delta(xs[lo:lo + n], a, b.T, c.entry.scaling,
-                                      out=out[lo:lo + n, col:col + n_out])
+            try:
+                for s, (col, n_out) in enumerate(zip(module.out_offsets, module.out_features,
+                                                     strict=True)):
+                    ab = weights.get(self.pool.slices[module.first + s].name)
+                    if ab is not None:
+                        a, b = ab
+                        self.assist.delta(xs[lo:lo + n], a, b.T, c.entry.scaling,
+                                          out=out[lo:lo + n, col:col + n_out])
+            except (AssistError, WorkerFailure) as e:
+                # Its rows' delta is incomplete: its requests fail (their
+                # outputs are dropped); the other adapters go on.
+                self._failed_delta(c, e)
             lo += n
         self._add_delta(y, rows, out)
+
+    def _failed_delta(self, cold: _Cold, e: Exception) -> None:
+        cold.failed, cold.data = True, None
+        self._fail(cold.load, f"its CPU-assisted delta failed: {type(e).__name__}: {e}")
+        if isinstance(e, WorkerFailure) and isinstance(self.assist, CpuWorkerPool):
+            # The pool is unusable from now on: later deltas run on this
+            # process's threads, and the report's worker count says 0.
+            logger.error("vllm-loraserve cpu-assist: the CPU LoRA workers failed (%s); "
+                         "deltas run on the engine's own threads from now on", e)
+            self.assist.close()
+            self.assist = CpuAssist()
+
+    @property
+    def assist_workers(self) -> int:
+        """CPU worker processes computing the deltas (0: this process's threads)."""
+        return len(self.assist.cores) if isinstance(self.assist, CpuWorkerPool) else 0
 
     @staticmethod
     def _rows_to_host(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

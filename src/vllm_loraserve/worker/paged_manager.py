@@ -63,6 +63,8 @@ from vllm_loraserve.paging.step import PageLoad, PoolReport, PoolStep, Prefetch
 from vllm_loraserve.worker.arena import PinnedArena
 from vllm_loraserve.worker.assist import CpuAssist
 from vllm_loraserve.worker.cold_start import ColdStart, layer_groups
+from vllm_loraserve.worker.cpu_lora.pool import CpuPoolConfig, CpuWorkerPool
+from vllm_loraserve.worker.cpu_lora.shm import SharedChunks
 from vllm_loraserve.worker.host_tier import Alloc, HostAdapter, HostTier
 from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker.pool import DevicePool
@@ -134,7 +136,12 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         # adapter this engine serves.
         largest = max_file_bytes(vllm_config.model_config.hf_text_config,
                                  self.lora_config.max_lora_rank)
-        arena = PinnedArena.for_budget(cfg.host_budget(), largest, pinned=cuda)
+        # cpu-assist's workers read the weights where the tier keeps them:
+        # its chunks are then shared-memory segments they map.
+        self._shared = (SharedChunks(pinned=cuda) if cfg.cold_start == "cpu-assist"
+                        and cfg.cpu_assist_workers >= 0 else None)
+        arena = PinnedArena.for_budget(cfg.host_budget(), largest, pinned=cuda,
+                                       make_chunk=self._shared)
         self.host: HostTier[HostAdapter] = HostTier(
             arena, self._read_file, cfg.read_threads, fence=self._fence,
             on_read=lambda lora_id, seconds: self._record(lora_id, "host", seconds))
@@ -196,7 +203,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         if mode != "block":
             self.cold = ColdStart(mode, self.pool, torch.device(self.device), self._side,
                                   self._device_streams, self._fail_load, self._cold_loaded,
-                                  CpuAssist() if mode == "cpu-assist" else None)
+                                  self._assist(layout) if mode == "cpu-assist" else None)
             self.pool.gate = self.cold
             logger.info("vllm-loraserve cold start: %s, %d layer groups of %d layers", mode,
                         len(groups), self.cfg.cold_start_group_layers)
@@ -204,6 +211,19 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         for module, layer, ms in layers:
             module.set_mapping(PagedLinearLoRA(self.pool, layer, ms))
         return manager.model
+
+    def _assist(self, layout: Any) -> CpuAssist | CpuWorkerPool:
+        """cpu-assist's deltas: the CPU worker processes over the host tier's
+        shared chunks, or the engine's own threads (--loraserve-cpu-assist-workers -1)."""
+        if self._shared is None:
+            logger.info("vllm-loraserve cpu-assist: deltas on the engine's own threads")
+            return CpuAssist()
+        return CpuWorkerPool(
+            CpuPoolConfig(workers=self.cfg.cpu_assist_workers, read_threads=self.cfg.read_threads,
+                          max_in=max(s.in_features for s in layout.slices),
+                          max_out=max(s.out_features for s in layout.slices),
+                          max_rank=self.lora_config.max_lora_rank),
+            weights=self._shared.segments)
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         """Attach the pool to the KV cache (once, after vLLM made it)."""
@@ -483,7 +503,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             prefetch_hits=self.prefetch_hits, prefetch_misses=self.prefetch_misses,
             cold_start=self.cfg.cold_start,
             pipelined_groups=cold.pipelined_groups if cold else 0,
-            assisted_groups=cold.assisted_groups if cold else 0)
+            assisted_groups=cold.assisted_groups if cold else 0,
+            cpu_assist_workers=cold.assist_workers if cold else 0)
         return ResidencyReport(
             gpu=tuple(gpu), host=tuple(sorted(set(host_ids) - set(gpu))), events=events,
             dropped_events=self.dropped_events, pages={i: pool.pages_of(i) for i in gpu},

@@ -78,6 +78,9 @@ class PoolCounters:
     cold_start: str = "block"
     pipelined_groups: int = 0
     assisted_groups: int = 0
+    # cpu-assist: the CPU worker processes computing its deltas now (0: the
+    # engine's own threads, also after the workers failed).
+    cpu_assist_workers: int = 0
 
 
 @dataclass(frozen=True)
