@@ -19,14 +19,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ADDITIONAL_CONFIG_KEY = "loraserve"
-# The fields that can change what torch.compile and CUDA graphs see: only
-# these key vLLM's compile cache (worker/hooks.py), so a server started with
-# other adapter directories or another host budget reuses the compiled model.
-# Every other field is read at run time only (RUNTIME_FIELDS); a new field
-# must join one of the two (tests/worker/test_compile_key.py).
-COMPILE_FIELDS = ("pool", "kernel", "max_slots", "cold_start", "cold_start_group_layers")
+# The fields that can change what torch.compile sees: only these key vLLM's
+# compile cache (worker/hooks.py), so a server started with other adapter
+# directories or another host budget reuses the compiled model. Every other
+# field is read at run time only (RUNTIME_FIELDS); a new field must join one
+# of the two (tests/worker/test_compile_key.py). The cold-start fields are
+# runtime fields: what a mode does happens inside the pool's custom op, which
+# is opaque to torch.compile (worker/paged_layer.py), and CUDA graphs, which
+# the mode does change, are captured anew at every start, never cached.
+COMPILE_FIELDS = ("pool", "kernel", "max_slots")
 RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads",
-                  "cpu_assist_workers")
+                  "cold_start", "cold_start_group_layers", "cpu_assist_workers")
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:

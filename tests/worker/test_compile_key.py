@@ -27,17 +27,18 @@ def test_runtime_fields_leave_the_compile_cache_key_alone():
     hooks.install()
     base = _config().compute_hash()
     runtime = _config(adapter_dirs=["/srv/a"], allowed_roots=["/srv"],
-                      host_cache_bytes=1 << 30, read_threads=2, cpu_assist_workers=3)
+                      host_cache_bytes=1 << 30, read_threads=2, cold_start="cpu-assist",
+                      cold_start_group_layers=2, cpu_assist_workers=3)
     assert runtime.compute_hash() == base
     assert _config(**LoraServeConfig().to_dict()).compute_hash() == base  # defaults spelled out
-    for changed in (dict(pool="vllm"), dict(kernel="torch"), dict(max_slots=64),
-                    dict(cold_start="pipelined"), dict(cold_start_group_layers=2)):
+    for changed in (dict(pool="vllm"), dict(kernel="torch"), dict(max_slots=64)):
         assert _config(**changed).compute_hash() != base, changed
     # The plugin's key still counts, and the config itself is left as it was.
     assert VllmConfig().compute_hash() != base
     assert runtime.additional_config == {"loraserve": {
         "adapter_dirs": ["/srv/a"], "allowed_roots": ["/srv"], "host_cache_bytes": 1 << 30,
-        "read_threads": 2, "cpu_assist_workers": 3}}
+        "read_threads": 2, "cold_start": "cpu-assist", "cold_start_group_layers": 2,
+        "cpu_assist_workers": 3}}
     # Without the plugin's key, vLLM's own hash.
     plain = VllmConfig(additional_config={"other": 1})
     assert plain.compute_hash() == original(VllmConfig.compute_hash)(plain)
