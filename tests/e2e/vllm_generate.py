@@ -9,7 +9,8 @@ process-global. spec: {"model", "dtype" (default float32), "engine": {LLM kwargs
 submitted in one `generate` call so they share batches. With the plugin on,
 the output also holds the workers' LoRA module table (loraserve_lora_modules)
 and residency report (loraserve_residency). spec "warm_round": true runs the
-same requests once before, under other adapter names (outputs dropped).
+same requests once before, under other adapter names (outputs dropped;
+"warm_residency": the residency report after it).
 """
 
 import json
@@ -44,8 +45,13 @@ def main() -> None:
                 LoRARequest(lr.lora_name + "@warm", lr.lora_int_id + len(ids), lr.lora_path)
                 for lr in loras]
         llm.generate(prompts, params, lora_request=warm, use_tqdm=False)
+    plugin = "loraserve" in (spec["engine"].get("additional_config") or {})
+    # The pool's counters add up over both rounds: the warm round's alone.
+    warm_residency = (llm.collective_rpc("loraserve_residency")[0]
+                      if plugin and spec.get("warm_round") else None)
     outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-    result = {"outputs": [], "lora_modules": None, "residency": None}
+    result = {"outputs": [], "lora_modules": None, "residency": None,
+              "warm_residency": warm_residency}
     for o in outs:
         c = o.outputs[0]
         result["outputs"].append({
@@ -53,7 +59,7 @@ def main() -> None:
             "stop_reason": c.stop_reason,
             "logprobs": [lp[t].logprob
                          for lp, t in zip(c.logprobs or [], c.token_ids, strict=True)]})
-    if "loraserve" in (spec["engine"].get("additional_config") or {}):
+    if plugin:
         result["lora_modules"] = llm.collective_rpc("loraserve_lora_modules")[0]
         result["residency"] = llm.collective_rpc("loraserve_residency")[0]
     json.dump(result, open(sys.argv[2], "w"))

@@ -38,9 +38,10 @@ def main() -> None:
                             "CUDA_MODULE_LOADING": loading},
                        dtype="bfloat16", script="../gpu/slow_side.py",
                        delay_cycles=DELAY_CYCLES, warm_round=True)
-        summary[loading] = run["residency"]["pool"]
-        print(loading, {k: summary[loading][k] for k in ("pipelined_groups", "assisted_groups")},
-              flush=True)
+        summary[loading] = {"warm_round": run["warm_residency"]["pool"],
+                            "both_rounds": run["residency"]["pool"]}
+        print(loading, {r: {k: p[k] for k in ("pipelined_groups", "assisted_groups")}
+                        for r, p in summary[loading].items()}, flush=True)
     json.dump(summary, open(os.path.join(out_dir, "probe_cold_step.json"), "w"), indent=1)
 
 

@@ -24,7 +24,8 @@ group by layer group (`cold_start_group_layers` layers each):
   the CPU worker processes of worker/cpu_lora/pool.py, or worker/assist.py
   on this process's threads; x is copied to the host, which waits for the
   device). A delta that fails fails its adapter alone; a dead worker makes
-  the later deltas run on this process's threads (logged, and reported).
+  that delta and the later ones run on this process's threads (logged, and
+  reported).
   From the first group that has landed on, the rows are shown again and the
   layers run the GPU kernels, waiting on each group's flag as `pipelined`
   does. A delta is thus computed on the CPU or by the kernels, never both.
@@ -75,7 +76,7 @@ import torch
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.step import PageLoad
 from vllm_loraserve.worker.assist import CpuAssist, Delta
-from vllm_loraserve.worker.cpu_lora.pool import AssistError, CpuWorkerPool, WorkerFailure
+from vllm_loraserve.worker.cpu_lora.pool import CpuWorkerPool, WorkerFailure
 from vllm_loraserve.worker.group_flags import GroupFlags
 from vllm_loraserve.worker.host_tier import HostAdapter
 from vllm_loraserve.worker.load_lane import HostLane, StreamLane
@@ -302,32 +303,42 @@ class ColdStart:
         out = torch.zeros(rows.numel(), sum(module.out_features), dtype=torch.float32)
         lo = 0
         for c in live:
-            n, weights = c.rows.numel(), c.weights[layer]
+            n = c.rows.numel()
             try:
-                for s, (col, n_out) in enumerate(zip(module.out_offsets, module.out_features,
-                                                     strict=True)):
-                    ab = weights.get(self.pool.slices[module.first + s].name)
-                    if ab is not None:
-                        a, b = ab
-                        self.assist.delta(xs[lo:lo + n], a, b.T, c.entry.scaling,
-                                          out=out[lo:lo + n, col:col + n_out])
-            except (AssistError, WorkerFailure) as e:
+                try:
+                    self._deltas(c, layer, module, xs[lo:lo + n], out[lo:lo + n])
+                except WorkerFailure as e:
+                    if not isinstance(self.assist, CpuWorkerPool):
+                        raise
+                    self._workers_failed(e)
+                    self._deltas(c, layer, module, xs[lo:lo + n], out[lo:lo + n])
+            except Exception as e:  # e.g. a weight dtype the workers refuse
                 # Its rows' delta is incomplete: its requests fail (their
                 # outputs are dropped); the other adapters go on.
-                self._failed_delta(c, e)
+                c.failed, c.data = True, None
+                self._fail(c.load, f"its CPU-assisted delta failed: {type(e).__name__}: {e}")
             lo += n
         self._add_delta(y, rows, out)
 
-    def _failed_delta(self, cold: _Cold, e: Exception) -> None:
-        cold.failed, cold.data = True, None
-        self._fail(cold.load, f"its CPU-assisted delta failed: {type(e).__name__}: {e}")
-        if isinstance(e, WorkerFailure) and isinstance(self.assist, CpuWorkerPool):
-            # The pool is unusable from now on: later deltas run on this
-            # process's threads, and the report's worker count says 0.
-            logger.error("vllm-loraserve cpu-assist: the CPU LoRA workers failed (%s); "
-                         "deltas run on the engine's own threads from now on", e)
-            self.assist.close()
-            self.assist = CpuAssist()
+    def _deltas(self, cold: _Cold, layer: int, module: ModuleSlices, xs: torch.Tensor,
+                out: torch.Tensor) -> None:
+        """out[:, slice s columns] = the delta of every slice `cold` targets
+        (written, not added: a retry overwrites a partial attempt)."""
+        weights = cold.weights[layer]
+        for s, (col, n_out) in enumerate(zip(module.out_offsets, module.out_features,
+                                             strict=True)):
+            ab = weights.get(self.pool.slices[module.first + s].name)
+            if ab is not None:
+                a, b = ab
+                self.assist.delta(xs, a, b.T, cold.entry.scaling, out=out[:, col:col + n_out])
+
+    def _workers_failed(self, e: WorkerFailure) -> None:
+        """The pool is unusable from now on: this and later deltas run on this
+        process's threads, and the report's worker count says 0."""
+        logger.error("vllm-loraserve cpu-assist: the CPU LoRA workers failed (%s); deltas run "
+                     "on the engine's own threads from now on", e)
+        self.assist.close()
+        self.assist = CpuAssist()
 
     @property
     def assist_workers(self) -> int:

@@ -218,8 +218,13 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         if self._shared is None:
             logger.info("vllm-loraserve cpu-assist: deltas on the engine's own threads")
             return CpuAssist()
+        # The spare cores are split between the GPUs this process sees, by
+        # device index (servers that each see one GPU need their own affinity).
+        device = torch.device(self.device)
+        gpus = torch.cuda.device_count() if device.type == "cuda" else 1
         return CpuWorkerPool(
             CpuPoolConfig(workers=self.cfg.cpu_assist_workers, read_threads=self.cfg.read_threads,
+                          gpu_workers=gpus, local_rank=(device.index or 0) % gpus,
                           max_in=max(s.in_features for s in layout.slices),
                           max_out=max(s.out_features for s in layout.slices),
                           max_rank=self.lora_config.max_lora_rank),
