@@ -101,6 +101,27 @@ def test_page_pressure_evicts_idle_adapters_and_outputs_stay_exact(case, tmp_pat
     assert pool["host_budget"] == 8 << 20 and pool["host_bytes"] <= 8 << 20
 
 
+@pytest.mark.parametrize("mode", ["block", "cpu-assist"])
+def test_a_step_whose_adapters_overflow_the_host_tier_stays_exact(case, tmp_path, mode):
+    """All ten adapters load in the first step, each read inside it (no read
+    ahead, no wait for reads: cold_reads.py), and the host tier holds one
+    8 MiB chunk, less than their files together: the step loads the adapters
+    it took before it reads more into their memory (`host_overflow_loads`),
+    never overwriting bytes a load still copies. Outputs stay exact."""
+    model, reqs = case
+    engine = {"max_loras": 1, "max_lora_rank": 128, "max_num_seqs": 32,
+              "max_num_batched_tokens": 2048,
+              "additional_config": {"loraserve": {"host_cache_bytes": 4 << 20,
+                                                  "cold_start": mode}}}
+    run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS, script="cold_reads.py",
+                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    check(model, reqs, run["outputs"])
+    pool = run["residency"]["pool"]
+    assert pool["host_budget"] == 8 << 20 and pool["peak_batch_adapters"] == 10
+    assert pool["page_loads"] == 10 and pool["prefetch_misses"] == 10
+    assert 0 < pool.get("host_overflow_loads", 0) < 10
+
+
 def test_adapters_of_waiting_requests_are_loaded_ahead_into_free_pages(case, tmp_path):
     """Two requests run at a time (max_num_seqs 2), so most wait with their
     adapter already in the host tier and KV pages free: those adapters are

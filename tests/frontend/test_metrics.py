@@ -14,7 +14,7 @@ POOL = PoolCounters(
     adapter_pages=3, total_pages=47, page_size=1024, peak_batch_adapters=2, adapter_steps=4,
     adapter_step_adapters=6, adapter_step_ranks=96, adapter_step_bytes=4096, host_bytes=100,
     host_adapters=2, host_budget=1000, prefetch_hits=3, prefetch_misses=2,
-    cold_start="cpu-assist", pipelined_groups=8, assisted_groups=3)
+    host_overflow_loads=4, cold_start="cpu-assist", pipelined_groups=8, assisted_groups=3)
 
 
 def test_worker_totals_are_counters():
@@ -31,6 +31,7 @@ def test_worker_totals_are_counters():
     m.record_loads([], dropped=0)
     assert value("loraserve_pool_page_events_total", event="load") == 5
     assert value("loraserve_pool_page_events_total", event="load_ahead") == 1
+    assert value("loraserve_pool_page_events_total", event="host_overflow") == 4
     assert value("loraserve_pool_prefetch_total", result="miss") == 2
     assert value("loraserve_pool_layer_groups_total", kind="written") == 8
     assert value("loraserve_pool_layer_groups_total", kind="assisted") == 3

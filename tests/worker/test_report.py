@@ -49,7 +49,8 @@ def test_wire_keys_are_the_ones_scripts_read():
         "page_loads", "page_evictions", "page_loads_ahead", "load_pack_s", "load_write_s",
         "adapter_pages", "total_pages", "page_size", "peak_batch_adapters", "adapter_steps",
         "adapter_step_adapters", "adapter_step_ranks", "adapter_step_bytes", "host_bytes",
-        "host_adapters", "host_budget", "prefetch_hits", "prefetch_misses", "cold_start",
+        "host_adapters", "host_budget", "prefetch_hits", "prefetch_misses",
+        "host_overflow_loads", "cold_start",
         "pipelined_groups", "assisted_groups", "cpu_assist_workers"]
     assert wire["pool"]["adapter_step_bytes"] == 123_456_789
     assert wire["pages"] == {3: 16, 11: 24} and wire["events"][0] == (5, "host", 0.25)

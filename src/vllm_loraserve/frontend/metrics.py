@@ -79,7 +79,9 @@ class Metrics:
             "loraserve_pool_page_events",
             "Adapter page loads (host tier to KV pages) and evictions; load_ahead: the "
             "loads among them made for waiting requests before their admission (copied "
-            "beside a step's forward pass on a GPU).", ["event"], registry=r)
+            "beside a step's forward pass on a GPU); host_overflow: those a step issued "
+            "before reading its other adapters, its adapters outgrowing the host tier "
+            "(raise --loraserve-host-cache-bytes).", ["event"], registry=r)
         self.pool_host_bytes = Gauge(
             "loraserve_pool_host_bytes", "Bytes of adapters held in the pool's host tier.",
             registry=r)
@@ -118,6 +120,7 @@ class Metrics:
         self._advance(self.pool_events, pool.page_loads, "load")
         self._advance(self.pool_events, pool.page_evictions, "eviction")
         self._advance(self.pool_events, pool.page_loads_ahead, "load_ahead")
+        self._advance(self.pool_events, pool.host_overflow_loads, "host_overflow")
         self.pool_host_bytes.set(pool.host_bytes)
         self._advance(self.pool_prefetch, pool.prefetch_hits, "hit")
         self._advance(self.pool_prefetch, pool.prefetch_misses, "miss")

@@ -34,7 +34,10 @@ method is for the engine thread alone.
   with the epoch of their last `get`; `end_step` closes the epoch with a
   fence (the `fence` callable: CUDA events after the step's copies, or None
   when copies are synchronous), and an evicted extent returns to the arena
-  only once the fence of its last use has completed.
+  only once the fence of its last use has completed. Only the engine
+  thread closes an epoch, once it has issued the copies: a read that
+  finds the memory held by the open epoch's uses alone raises
+  `StepOverflow` rather than reuse it.
 
 Invariants (`check`): `bytes_used` == the sum of the entries' extents;
 the arena's live extents are exactly those of the entries, of the reads
@@ -103,6 +106,12 @@ class Fence(Protocol):
 
 class NoRoom(Exception):
     """A background read found no extent without evicting kept entries."""
+
+
+class StepOverflow(Exception):
+    """An engine-thread read found the tier's memory held by the step's own
+    uses alone (the step's adapters outgrow the tier): the caller issues the
+    copies from the entries it took, calls `end_step`, and reads again."""
 
 
 class AdapterTooLarge(Exception):
@@ -223,7 +232,8 @@ class HostTier(Generic[T]):
     def get(self, request: Readable) -> tuple[T, bool]:
         """The adapter's entry, and whether the tier had it: from the tier,
         from a background read under way, or read now. It is in use until
-        `end_step`; a failed read raises."""
+        `end_step`; a failed read raises, as does a read with no room beside
+        this step's uses (`StepOverflow`: nothing is recorded)."""
         lora_id = request.lora_int_id
         with self._lock:
             if lora_id in self._entries:
@@ -317,8 +327,8 @@ class HostTier(Generic[T]):
             value = self._read_file(request, alloc)
             if extent is None:
                 raise RuntimeError("the read returned without a buffer")
-        except NoRoom:
-            raise
+        except (NoRoom, StepOverflow):
+            raise  # no failure: the read is tried again
         except Exception as e:
             # Adapter files are input: whatever they raise fails this adapter only.
             reason = str(e) if isinstance(e, BadWeights) else \
@@ -379,16 +389,18 @@ class HostTier(Generic[T]):
                                  "requests need")
                 if self._evict(()):
                     continue
-                # What is left is memory not released yet: the engine thread's
-                # own uses (close their epoch), copies still running, reads.
-                if self._touched:
-                    self._close_epoch()
-                    continue
+                # What is left is memory not released yet: copies still
+                # running (wait for the oldest closed epoch's fence), reads
+                # under way, and this step's own uses, whose copies may not
+                # be issued yet (only the caller can tell; see StepOverflow).
                 if self._fences:
                     fence = self._fences[0][1]
                 elif self._held:
                     self._lock.wait(timeout=0.1)
                     continue
+                elif self._touched:
+                    raise StepOverflow(f"no room for {nbytes} bytes beside this step's "
+                                       "adapters: issue their copies, end the step, read again")
                 else:  # an empty arena holds any extent up to a chunk
                     raise AssertionError(f"no extent of {size} bytes in an empty arena")
             if fence is not None:

@@ -65,7 +65,7 @@ from vllm_loraserve.worker.assist import CpuAssist
 from vllm_loraserve.worker.cold_start import ColdStart, layer_groups
 from vllm_loraserve.worker.cpu_lora.pool import CpuPoolConfig, CpuWorkerPool
 from vllm_loraserve.worker.cpu_lora.shm import SharedChunks
-from vllm_loraserve.worker.host_tier import Alloc, HostAdapter, HostTier
+from vllm_loraserve.worker.host_tier import Alloc, HostAdapter, HostTier, StepOverflow
 from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker.pool import DevicePool
 from vllm_loraserve.worker.report import LoadEvent, PoolCounters, ResidencyReport
@@ -153,6 +153,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self.pool: DevicePool  # made by create_lora_manager
         self._dummy_ids: set[int] = set()
         self.page_loads = self.page_evictions = self.page_loads_ahead = 0
+        # Loads a step issued before its other reads, its adapters outgrowing the host tier.
+        self.host_overflow_loads = 0
         # Host seconds of page loads: packing on the device (the copy of the
         # file's bytes included), then writing the pages and the slot table.
         self.load_pack_s = self.load_write_s = 0.0
@@ -362,7 +364,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             self.pool.evict(slot)
         self.page_evictions += len(step.evicted)
         self.page_loads += len(step.loads)
-        ready = []
+        ready: list[tuple[PageLoad, HostAdapter]] = []
         for load in step.loads:
             lr = load.lora_request
             hit = False
@@ -370,7 +372,17 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                 # From the tier, a read under way, or disk now (`load_inplace`
                 # stays set on every later request of a reloaded adapter; only
                 # `add_adapter` acts on it).
-                entry, hit = self.host.get(lr)
+                try:
+                    entry, hit = self.host.get(lr)
+                except StepOverflow:
+                    # The step's adapters outgrow the host tier: load those
+                    # taken so far now, whole (cold modes too), so that once
+                    # their copies are issued their memory takes the next reads.
+                    self.host_overflow_loads += len(ready)
+                    self._load_whole(ready)
+                    ready = []
+                    self.host.end_step()
+                    entry, hit = self.host.get(lr)
                 if (entry.placement.rank, entry.placement.num_pages) != (load.rank,
                                                                           len(load.page_ids)):
                     raise ValueError(
@@ -391,6 +403,13 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             if cold:
                 self.cold.load(cold)
             ready = [(load, entry) for load, entry in ready if load.ahead]
+        self._load_whole(ready)
+        # Copies read back for requests admitted before their adapter's remove.
+        self.host.drop_removed(self.pool.slot_of.keys())
+
+    def _load_whole(self, ready: list[tuple[PageLoad, HostAdapter]]) -> None:
+        """Load each adapter's pages in all layers: a load ahead on the side
+        stream (on a GPU), the others on the current stream."""
         for load, entry in ready:
             lr = load.lora_request
             t0 = time.perf_counter()
@@ -412,8 +431,6 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                 continue
             self.page_loads_ahead += load.ahead
             self._record(lr.lora_int_id, "gpu", time.perf_counter() - t0)
-        # Copies read back for requests admitted before their adapter's remove.
-        self.host.drop_removed(self.pool.slot_of.keys())
 
     def _fail_load(self, load: PageLoad, reason: str) -> None:
         """One adapter's load failed: the scheduler fails its requests (from
@@ -506,7 +523,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             adapter_step_bytes=pool.adapter_step_bytes, host_bytes=host_bytes,
             host_adapters=len(host_ids), host_budget=self.host.budget,
             prefetch_hits=self.prefetch_hits, prefetch_misses=self.prefetch_misses,
-            cold_start=self.cfg.cold_start,
+            host_overflow_loads=self.host_overflow_loads, cold_start=self.cfg.cold_start,
             pipelined_groups=cold.pipelined_groups if cold else 0,
             assisted_groups=cold.assisted_groups if cold else 0,
             cpu_assist_workers=cold.assist_workers if cold else 0)

@@ -71,6 +71,10 @@ class PoolCounters:
     # kept), and those that had to read it, or wait for it, in the step.
     prefetch_hits: int
     prefetch_misses: int
+    # Page loads a step issued early, whole, before reading its other
+    # adapters into their host memory: the step's adapters outgrew the host
+    # tier (cold modes load these without layer groups).
+    host_overflow_loads: int = 0
     # --loraserve-cold-start, and what its layer-group loads did: (adapter,
     # layer group) pairs written by groups (pipelined and cpu-assist), and
     # those whose LoRA delta was computed on the CPU while their pages were
