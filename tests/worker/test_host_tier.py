@@ -251,6 +251,13 @@ def test_an_entry_used_in_this_step_is_not_overwritten_by_this_step():
     assert t.ids() == [1]
 
 
+def copy_taken(taken: list[tuple[int, torch.Tensor]]) -> None:
+    """The step's copies from the entries it took: each still holds its id."""
+    for j, buf in taken:
+        assert bool((buf == j).all()), f"entry {j} was overwritten before its copy"
+    taken.clear()
+
+
 def test_random_churn_keeps_the_invariants():
     rng = random.Random(0)
     fences: list[FakeFence] = []
@@ -263,12 +270,6 @@ def test_random_churn_keeps_the_invariants():
             t.prefetch(Req(i, nbytes=rng.randint(1, 3) * ALIGN - rng.randrange(ALIGN)), ALIGN)
         ids = rng.sample(range(12), k=rng.randint(0, 3))
         taken: list[tuple[int, torch.Tensor]] = []  # this step's entries, "copied" at its end
-
-        def copy_taken() -> None:
-            for j, buf in taken:
-                assert bool((buf == j).all()), f"entry {j} was overwritten before its copy"
-            taken.clear()
-
         for i in ids:
             if rng.random() < 0.1:
                 t.remove(i)
@@ -277,12 +278,12 @@ def test_random_churn_keeps_the_invariants():
             try:
                 buf, _ = t.get(req)
             except StepOverflow:  # as worker/paged_manager.py does
-                copy_taken()
+                copy_taken(taken)
                 t.end_step()
                 buf, _ = t.get(req)
             assert bool((buf == i).all())
             taken.append((i, buf))
-        copy_taken()
+        copy_taken(taken)
         t.end_step()
         for f in fences:
             f.done = f.done or rng.random() < 0.5
@@ -439,3 +440,27 @@ def test_a_step_never_reuses_the_memory_of_an_entry_it_took():
     assert not hit and bool((buf1 == 1).all()) and t.ids() == [1]
     t.end_step()
     t.check()
+
+
+def test_a_step_frees_its_own_memory_before_it_waits_for_a_read_in_the_background():
+    """The rest of the tier is held by a background read that is still
+    reading: the step's read is refused at once (its caller frees the
+    step's own entries in a few ms) rather than waiting for that read."""
+    gate = threading.Event()
+    t = tier(pages=2)
+    assert t.prefetch(Req(5, gate=gate), ALIGN)
+    t.get(Req(0))
+    release = threading.Timer(2.0, gate.set)  # a tier that waited would get its room then
+    release.start()
+    try:
+        with pytest.raises(StepOverflow):
+            t.get(Req(1))
+        assert not gate.is_set(), "the step waited for the background read"
+        t.end_step()
+        buf, _ = t.get(Req(1))
+        assert bool((buf == 1).all())
+    finally:
+        release.cancel()
+        gate.set()
+    t.end_step()
+    settle(t)

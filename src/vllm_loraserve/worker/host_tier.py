@@ -390,17 +390,18 @@ class HostTier(Generic[T]):
                 if self._evict(()):
                     continue
                 # What is left is memory not released yet: copies still
-                # running (wait for the oldest closed epoch's fence), reads
-                # under way, and this step's own uses, whose copies may not
-                # be issued yet (only the caller can tell; see StepOverflow).
+                # running (wait for the oldest closed epoch's fence), this
+                # step's own uses, whose copies may not be issued yet (only
+                # the caller can tell; it frees them faster than a disk read
+                # finishes), and reads under way.
                 if self._fences:
                     fence = self._fences[0][1]
-                elif self._held:
-                    self._lock.wait(timeout=0.1)
-                    continue
                 elif self._touched:
                     raise StepOverflow(f"no room for {nbytes} bytes beside this step's "
                                        "adapters: issue their copies, end the step, read again")
+                elif self._held:
+                    self._lock.wait(timeout=0.1)
+                    continue
                 else:  # an empty arena holds any extent up to a chunk
                     raise AssertionError(f"no extent of {size} bytes in an empty arena")
             if fence is not None:
