@@ -119,7 +119,7 @@ def test_a_step_whose_adapters_overflow_the_host_tier_stays_exact(case, tmp_path
     pool = run["residency"]["pool"]
     assert pool["host_budget"] == 8 << 20 and pool["peak_batch_adapters"] == 10
     assert pool["page_loads"] == 10 and pool["prefetch_misses"] == 10
-    assert 0 < pool.get("host_overflow_loads", 0) < 10
+    assert 0 < pool["host_overflow_loads"] < 10
 
 
 def test_adapters_of_waiting_requests_are_loaded_ahead_into_free_pages(case, tmp_path):
