@@ -42,7 +42,7 @@ import torch
 
 from vllm_loraserve.worker import assist_ops
 from vllm_loraserve.worker.arena import ALIGN, PinnedArena
-from vllm_loraserve.worker.cpu_lora.pool import CpuPoolConfig, CpuWorkerPool
+from vllm_loraserve.worker.cpu_lora.pool import Block, CpuPoolConfig, CpuWorkerPool
 from vllm_loraserve.worker.cpu_lora.shm import SharedChunks, SharedSegment
 
 H = 4096  # Llama-2-7B hidden size: q/k/v/o are 4096 -> 4096
@@ -192,6 +192,7 @@ def gpu_part(args, by_rank, chunks) -> dict:
             for n_tok in args.tokens:
                 xg = torch.randn(n_tok, H, device="cuda", dtype=torch.bfloat16)
                 y = torch.zeros(n_tok, H, device="cuda", dtype=torch.bfloat16)
+                d = torch.zeros(n_tok, H, device="cuda")  # enqueue's fp32 result
 
                 def gpu_time(fn) -> float:
                     times = []
@@ -205,8 +206,8 @@ def gpu_part(args, by_rank, chunks) -> dict:
                         times.append(s.elapsed_time(e) / 1e3)
                     return statistics.median(times[1:])
 
-                s_enqueue = gpu_time(lambda xg=xg, y=y, a=a, bt=bt:
-                                     pool.enqueue(xg, a, bt, 0.5, y))
+                s_enqueue = gpu_time(lambda xg=xg, d=d, a=a, bt=bt, n=n_tok:
+                                     pool.enqueue(xg, [Block(0, n, 0, a, bt, 0.5)], d))
                 pool.check()
                 s_gpu = gpu_time(lambda xg=xg, y=y, a=a_gpu, bt=bt_gpu:
                                  y.add_((((xg @ a.T) * 0.5) @ bt).bfloat16()))

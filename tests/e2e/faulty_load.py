@@ -8,7 +8,10 @@ spec: as vllm_generate.py, plus "faults": {adapter name: stage}, stage one of
 worker reads it: after start-up and the scheduler's checks), "pack" (packing
 its pages on the device), "write" (writing its pages, after its slot's table
 row was written; with --loraserve-cold-start pipelined or cpu-assist, its
-second layer group's, after the first group's pages).
+second layer group's, after the first group's pages). With "assist_victim"
+(a file path), the first adapter without another fault whose CPU deltas are
+enqueued (cpu-assist, sync-free) has every job of them failed by the
+workers, and its name is written to that file.
 """
 
 import json
@@ -21,6 +24,35 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 class InjectedFault(Exception):
     pass
+
+
+def fail_cpu_deltas(victim_file: str, spared: set[str]) -> None:
+    """The first adapter with enqueued CPU deltas: its weights' jobs get a
+    descriptor pointing outside every segment, so the workers fail them."""
+    from vllm_loraserve.worker.cold_start import ColdStart
+    from vllm_loraserve.worker.cpu_lora.pool import CpuWorkerPool
+
+    victim: dict = {}
+    slices, post = ColdStart._slices, CpuWorkerPool.post
+
+    def marked(self, cold, layer, module):
+        if not victim and self.enqueues and cold.entry.name not in spared:
+            victim.update(name=cold.entry.name, a=set())
+            with open(victim_file, "w") as f:
+                f.write(cold.entry.name)
+        for col, (a, b) in slices(self, cold, layer, module):
+            if cold.entry.name == victim.get("name"):
+                victim["a"].add(a.data_ptr())
+            yield col, (a, b)
+
+    def failing_post(self, n, x_dtype, a, bt, *args, **kw):
+        job = post(self, n, x_dtype, a, bt, *args, **kw)
+        if a.data_ptr() in victim.get("a", ()):
+            self.ctl.jobs[job % self.layout.depth]["a_off"] = 1 << 40
+        return job
+
+    ColdStart._slices = marked
+    CpuWorkerPool.post = failing_post
 
 
 def main() -> None:
@@ -67,6 +99,8 @@ def main() -> None:
     paged_manager.PagedWorkerLoRAManager._device_streams = pack
     DevicePool.load = write
     DevicePool.write_group = write_in_groups
+    if spec.get("assist_victim"):
+        fail_cpu_deltas(spec["assist_victim"], set(faults))
 
     from vllm_generate import main as generate
 

@@ -72,8 +72,9 @@ def test_cold_start_mode_equals_block_and_hf_peft(case, block, mode, tmp_path):
     assert pool["cold_start"] == mode and pool["page_loads"] == 6 and cold > 0
     assert pool["pipelined_groups"] == 2 * cold  # two groups each
     assert pool["assisted_groups"] == (2 * cold if mode == "cpu-assist" else 0)
-    # cpu-assist's deltas ran on its CPU worker processes (the default).
+    # cpu-assist's deltas ran on its CPU worker processes (the default), sync-free.
     assert (pool["cpu_assist_workers"] >= 1) == (mode == "cpu-assist")
+    assert (pool["sync_free_jobs"] > 0) == (mode == "cpu-assist")
     assert block["residency"]["pool"]["pipelined_groups"] == 0
 
 
@@ -81,8 +82,10 @@ def test_cold_start_mode_equals_block_and_hf_peft(case, block, mode, tmp_path):
 def test_a_cold_load_that_fails_fails_its_adapter_alone(case, block, mode, tmp_path):
     """An adapter whose files are removed after start-up (just before the
     worker reads them), and adapters whose page packing or a page write
-    (its second layer group's) fails: their requests end with an error
-    naming why, and every other request equals block's output."""
+    (its second layer group's) fails; in cpu-assist, also the first adapter
+    whose CPU deltas the workers fail (known only at the step's report, on
+    the sync-free path): their requests end with an error naming why, and
+    every other request equals block's output."""
     model, reqs = case
     named = list(dict.fromkeys(r.lora_name for r in reqs if r.lora_name))
     faults = dict(zip(named, ("deleted", "pack", "write"), strict=False))
@@ -94,14 +97,23 @@ def test_a_cold_load_that_fails_fails_its_adapter_alone(case, block, mode, tmp_p
                 shutil.copytree(r.lora_path, victim)
             r = Request(r.prompt_ids, r.lora_name, str(victim))
         mixed.append(r)
+    victim_file = tmp_path / "assist_victim"
     run = run_vllm(tmp_path, model, mixed, engine(mode), MAX_TOKENS, script="faulty_load.py",
-                   faults=faults, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                   faults=faults, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                   assist_victim=str(victim_file) if mode == "cpu-assist" else None)
+    if mode == "cpu-assist":
+        assisted = victim_file.read_text()
+        assert assisted not in faults, assisted  # an adapter the other faults spared
+        faults[assisted] = "assist"
     problems = []
     for r, want, got in zip(mixed, block["outputs"], run["outputs"], strict=True):
         if r.lora_name in faults:
             if (got["token_ids"], got["finish_reason"]) != ([], "error"):
                 problems.append(f"{r.lora_name} ({faults[r.lora_name]}): {got}")
             elif faults[r.lora_name] == "deleted" and "could not be read" not in \
+                    str(got["stop_reason"]):
+                problems.append(f"{r.lora_name}: the error does not say why: {got}")
+            elif faults[r.lora_name] == "assist" and "CPU-assisted delta failed" not in \
                     str(got["stop_reason"]):
                 problems.append(f"{r.lora_name}: the error does not say why: {got}")
         else:

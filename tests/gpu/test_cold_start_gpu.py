@@ -81,9 +81,10 @@ def adapters(tmp_path_factory):
 
 
 class GpuStep:
-    """A block pool and a grouped pool on the GPU, the warm adapter resident."""
+    """A block pool and a grouped pool on the GPU, the warm adapter resident;
+    cpu-assist's deltas on this process's threads unless `assist` says."""
 
-    def __init__(self, adapters, mode):
+    def __init__(self, adapters, mode, assist=None):
         self.pools = []
         for groups in ((), layer_groups(LAYERS, GROUP)):
             g = torch.Generator(device=DEV).manual_seed(9)
@@ -101,7 +102,7 @@ class GpuStep:
         self.failed = {}
         self.cold = ColdStart(mode, self.grouped, DEV, self.side, pack,
                               lambda load, why: self.failed.setdefault(load.slot, why),
-                              lambda load, s: None, CpuAssist())
+                              lambda load, s: None, assist or CpuAssist())
         self.cold.warm_up(MODULES)
         self.grouped.gate = self.cold
         entry = adapters["cold"]
@@ -207,6 +208,60 @@ def test_cpu_assist_on_the_gpu_equals_block(adapters, hold):
     assert not step.failed
 
 
+def test_sync_free_cpu_assist_equals_block_without_a_host_sync(tmp_path):
+    """cpu-assist on the CPU worker processes with the csrc/ op: the adapters
+    in pinned shared chunks (as the host tier's arena holds them), the side
+    stream held back so every group runs on the CPU. The layers' host time
+    holds no synchronize call (torch.profiler), and the outputs equal block's."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from vllm_loraserve.worker.cpu_lora.pool import CpuPoolConfig, CpuWorkerPool
+    from vllm_loraserve.worker.cpu_lora.shm import SharedChunks
+
+    from ..worker.test_cold_start import shared_alloc
+
+    chunks = SharedChunks(pinned=True)
+    alloc = shared_alloc(chunks)
+    adapters = {name: host_adapter(tmp_path, name, rank, targets, seed, alloc=alloc)
+                for name, rank, targets, seed in (
+                    ("warm", 16, ("q_proj", "v_proj", "down_proj"), 1),
+                    ("cold", 8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                 "up_proj", "down_proj"), 2))}
+    cores = sorted(os.sched_getaffinity(0))
+    pool = CpuWorkerPool(CpuPoolConfig(cores=tuple(cores[-2:]), max_rows=64, max_in=96,
+                                       max_out=192, max_rank=32, timeout_s=30.0),
+                         weights=chunks.segments, pin=True)
+    try:
+        step = GpuStep(adapters, "cpu-assist", assist=pool)
+        assert step.cold.enqueues, "the sync-free path must be on: the op and pinned segments"
+        step.start_cold(hold=True)
+        n = len(TOKENS)
+        x, y0 = inputs(n)
+        step.tokens(TOKENS)
+        got, want = fresh(y0), fresh(y0)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with record_function("layers"):
+                run_layers(step.grouped, x, got)
+        run_layers(step.block, x, want)
+        torch.cuda.synchronize()
+        assert_equal_outputs(got, want)
+        assert step.cold.assisted_groups == len(layer_groups(LAYERS, GROUP))
+        step.cold.end_forward()
+        step.cold.collect()
+        assert not step.failed and pool.stats.jobs > 0 and pool.stats.staged_bytes == 0
+        events = [e for e in prof.events() if e.device_type == DeviceType.CPU]
+        (outer,) = [e for e in events if e.name == "layers"]
+        inside = [e.name for e in events if outer.time_range.start <= e.time_range.start
+                  and e.time_range.end <= outer.time_range.end]
+        assert "loraserve_assist::wait_host_flag" in inside, sorted(set(inside))
+        assert not [e for e in inside if "Synchronize" in e], sorted(set(inside))
+    finally:
+        pool.close()
+        chunks.close()
+
+
 # -- end to end ------------------------------------------------------------
 # No prefix caching: the warm round's first step must have the measured
 # round's token count (and so launch the same kernels).
@@ -271,3 +326,4 @@ def test_cold_start_modes_match_hf_peft_with_cuda_graphs(fixed_dir, tmp_path):
     assert pools["pipelined"]["pipelined_groups"] > 0, pools["pipelined"]
     assert pools["pipelined"]["assisted_groups"] == 0
     assert pools["cpu-assist"]["assisted_groups"] > 0, pools["cpu-assist"]
+    assert pools["cpu-assist"]["sync_free_jobs"] > 0, pools["cpu-assist"]  # the csrc/ op's path

@@ -69,12 +69,50 @@ def pack(entry: HostAdapter, layers: range, data: torch.Tensor) -> torch.Tensor:
                        entry.scaling, torch.float32)
 
 
+def make_adapters(root, alloc=None):
+    return {"warm": host_adapter(root, "warm", 16, ("q_proj", "v_proj", "down_proj"), 1,
+                                 alloc=alloc),
+            "cold": host_adapter(root, "cold", 8, tuple(DIMS), 2, alloc=alloc),
+            "cold2": host_adapter(root, "cold2", 32, ("o_proj", "gate_proj", "up_proj"), 3,
+                                  alloc=alloc)}
+
+
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    return {"warm": host_adapter(root, "warm", 16, ("q_proj", "v_proj", "down_proj"), 1),
-            "cold": host_adapter(root, "cold", 8, tuple(DIMS), 2),
-            "cold2": host_adapter(root, "cold2", 32, ("o_proj", "gate_proj", "up_proj"), 3)}
+    return make_adapters(tmp_path_factory.mktemp("adapters"))
+
+
+def shared_alloc(chunks: SharedChunks):
+    """Buffers in shared chunks, as the host tier's arena gives them to cpu-assist."""
+    return lambda n: chunks(-(-n // 4096) * 4096)[:n]
+
+
+def worker_pool(chunks: SharedChunks, cls=CpuWorkerPool, timeout_s: float = 60.0):
+    """One worker process reading the chunks (a module's results side by side:
+    max_out 192, gate_up's)."""
+    return cls(CpuPoolConfig(workers=1, max_rows=64, max_in=96, max_out=192, max_rank=32,
+                             timeout_s=timeout_s), weights=chunks.segments)
+
+
+@pytest.fixture(scope="module")
+def on_workers(tmp_path_factory):
+    """The adapters in shared chunks, and a worker pool over them: cpu-assist's
+    sync-free path (CpuWorkerPool.enqueue on the CPU's HostOps)."""
+    chunks = SharedChunks(pinned=False)
+    adapters = make_adapters(tmp_path_factory.mktemp("shared"), shared_alloc(chunks))
+    pool = worker_pool(chunks)
+    yield adapters, pool
+    pool.close()
+    chunks.close()
+
+
+@pytest.fixture(params=["threads", "workers"])
+def assisted(request, adapters):
+    """(adapters, assist): this process's threads (synchronous), or the
+    worker processes (sync-free)."""
+    if request.param == "threads":
+        return adapters, CpuAssist()
+    return request.getfixturevalue("on_workers")
 
 
 def page_ids(entry, first):
@@ -208,8 +246,10 @@ def test_triton_wait_counts_a_timeout_that_check_reports(adapters):
         step.cold.flags.check()
 
 
-def test_cpu_assist_equals_block_with_every_group_on_the_cpu(adapters):
-    step = Step(adapters, "cpu-assist", cold=("cold", "cold2"))
+def test_cpu_assist_equals_block_with_every_group_on_the_cpu(assisted):
+    adapters, assist = assisted
+    step = Step(adapters, "cpu-assist", cold=("cold", "cold2"), assist=assist)
+    assert step.cold.enqueues == isinstance(assist, CpuWorkerPool)
     assert step.cold.force_eager
     step.tokens(TOKENS)
     x, y0 = inputs()
@@ -220,9 +260,15 @@ def test_cpu_assist_equals_block_with_every_group_on_the_cpu(adapters):
     assert not any(step.cold_pages_written(layer) for layer in range(LAYERS))
     assert step.cold.assisted_groups == 2 * (LAYERS // GROUP)
     assert step.cold.flags.waits == 0
+    # Sync-free: one job per adapter and slice it targets, in every layer.
+    slices = sum(len(w) for name in ("cold", "cold2")
+                 for w in adapters[name].layer_weights(range(LAYERS)))
+    assert step.cold.sync_free_jobs == (slices if step.cold.enqueues else 0)
     # Written once the forward pass is over; the next step (decode) shows
     # the rows and the kernels serve it.
     step.cold.end_forward()
+    step.cold.collect()
+    assert not step.failed
     assert all(step.cold_pages_written(layer) for layer in range(LAYERS))
     step.cold.begin_step()
     assert not step.cold.force_eager
@@ -234,12 +280,13 @@ def test_cpu_assist_equals_block_with_every_group_on_the_cpu(adapters):
     assert step.cold.assisted_groups == 2 * (LAYERS // GROUP)
 
 
-def test_cpu_assist_switches_to_the_kernels_once_a_group_landed(adapters):
+def test_cpu_assist_switches_to_the_kernels_once_a_group_landed(assisted):
     """Group 0 on the CPU; groups 0 and 1 land before layer 2 runs: from
     there the kernels compute the cold adapter, waiting as pipelined does.
     A CPU delta added for a layer whose kernels ran too (counted twice), or
     a kernel reading a hidden slot, would break the equality."""
-    step = Step(adapters, "cpu-assist")
+    adapters, assist = assisted
+    step = Step(adapters, "cpu-assist", assist=assist)
     step.tokens(TOKENS)
     x, y0 = inputs()
     for layer in range(LAYERS):
@@ -253,13 +300,14 @@ def test_cpu_assist_switches_to_the_kernels_once_a_group_landed(adapters):
 
 
 @pytest.mark.parametrize("hidden", [True, False])
-def test_a_delta_counted_twice_breaks_the_equality(adapters, monkeypatch, hidden):
+def test_a_delta_counted_twice_breaks_the_equality(assisted, monkeypatch, hidden):
     """Pages written but every group still on the CPU: with the slot hidden,
     as cpu-assist hides it, the outputs equal block's; shown, the kernels
     would add the cold adapter's delta beside the CPU's."""
     if not hidden:
         monkeypatch.setattr(DevicePool, "hide", lambda self, slot: None)
-    step = Step(adapters, "cpu-assist")
+    adapters, assist = assisted
+    step = Step(adapters, "cpu-assist", assist=assist)
     step.cold.lane.drain()
     step.cold.lane.landed = lambda group: False
     step.tokens(TOKENS)
@@ -282,6 +330,16 @@ class FailingFor(CpuAssist):
         return super().delta(x, a, bt, scaling, out_dtype, out)
 
 
+def assert_layers_equal_block(step, but: int):
+    """Every layer of the step: the grouped pool's outputs equal block's,
+    but in the rows of adapter id `but` (one that failed)."""
+    x, y0 = inputs()
+    rows = [i for i, t in enumerate(TOKENS) if t != but]
+    for layer in range(LAYERS):
+        for yb, yg in step.layer(layer, x, y0):
+            torch.testing.assert_close(yg[rows], yb[rows], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("error", [AssistError("injected"), ValueError("injected dtype")])
 def test_a_failed_cpu_delta_fails_its_adapter_alone(adapters, error):
     """A worker's job error, or any other error of one adapter's delta (e.g.
@@ -289,11 +347,7 @@ def test_a_failed_cpu_delta_fails_its_adapter_alone(adapters, error):
     step = Step(adapters, "cpu-assist", cold=("cold", "cold2"),
                 assist=FailingFor(adapters["cold2"], error))
     step.tokens(TOKENS)
-    x, y0 = inputs()
-    rows = [i for i, t in enumerate(TOKENS) if t != 11]  # cold2's rows aside
-    for layer in range(LAYERS):
-        for yb, yg in step.layer(layer, x, y0):
-            torch.testing.assert_close(yg[rows], yb[rows], rtol=1e-5, atol=1e-5)
+    assert_layers_equal_block(step, but=11)
     assert list(step.failed) == [11] and "CPU-assisted delta failed" in step.failed[11] \
         and "injected" in step.failed[11]
     # Both adapters' group 0 on the CPU (cold2 failed in layer 0), then cold's alone.
@@ -302,23 +356,68 @@ def test_a_failed_cpu_delta_fails_its_adapter_alone(adapters, error):
     assert 11 not in step.grouped.slot_of and step.done == [2]
 
 
-def test_cpu_worker_processes_compute_the_deltas_and_a_dead_one_hands_over(tmp_path):
-    """cpu-assist on CpuWorkerPool (one worker process), the adapters read
-    into shared chunks as the host tier's arena holds them: the workers read
-    them in place (nothing staged), and the outputs equal block's. A killed
-    worker: the delta that finds it dead, and every later one, runs on the
-    engine's threads, no adapter fails, and the worker count drops to 0."""
+class FailsFor(CpuWorkerPool):
+    """A worker pool whose workers fail every job of one adapter's weights
+    (its descriptor points outside every segment, as a corrupt one would)."""
+
+    bad: set[int] = set()
+
+    def post(self, n, x_dtype, a, bt, *args, **kw):
+        job = super().post(n, x_dtype, a, bt, *args, **kw)
+        if a.data_ptr() in self.bad:
+            self.ctl.jobs[job % self.layout.depth]["a_off"] = 1 << 40
+        return job
+
+
+def test_a_failed_sync_free_job_fails_its_adapter_alone_at_collect(tmp_path):
+    """On the sync-free path a job's failure is known once the host has
+    synchronised with the stream: nothing fails during the forward pass,
+    and `collect` (with the step's report) fails cold2 alone; cold's rows
+    equal block's, and cold2's slot is not shown in the next step."""
     chunks = SharedChunks(pinned=False)
-    alloc = lambda n: chunks(-(-n // 4096) * 4096)[:n]  # noqa: E731
-    adapters = {"warm": host_adapter(tmp_path, "warm", 16, ("q_proj", "v_proj"), 1, alloc=alloc),
-                "cold": host_adapter(tmp_path, "cold", 8, tuple(DIMS), 2, alloc=alloc),
-                "cold2": host_adapter(tmp_path, "cold2", 32, ("o_proj", "gate_proj", "up_proj"),
-                                      3, alloc=alloc)}
-    pool = CpuWorkerPool(CpuPoolConfig(workers=1, max_rows=64, max_in=96, max_out=192,
-                                       max_rank=32, timeout_s=60.0), weights=chunks.segments)
+    adapters = make_adapters(tmp_path, shared_alloc(chunks))
+    pool = worker_pool(chunks, FailsFor)
+    pool.bad = {a.data_ptr() for w in adapters["cold2"].layer_weights(range(LAYERS))
+                for a, _ in w.values()}
     try:
         step = Step(adapters, "cpu-assist", cold=("cold", "cold2"), assist=pool)
-        assert step.cold.assist_workers == 1
+        assert step.cold.enqueues
+        step.tokens(TOKENS)
+        assert_layers_equal_block(step, but=11)
+        assert not step.failed
+        step.cold.end_forward()
+        step.cold.collect()
+        assert list(step.failed) == [11]
+        assert re.search(r"CPU-assisted delta failed: AssistError: CPU LoRA worker 0 failed "
+                         r"job \d+: ValueError", step.failed[11]), step.failed[11]
+        assert step.cold.assisted_groups == 2 * (LAYERS // GROUP)
+        step.cold.begin_step()
+        assert 11 not in step.grouped.slot_of and 10 in step.grouped.slot_of
+        assert step.cold.assist_workers == 1  # the workers go on
+    finally:
+        pool.close()
+        chunks.close()
+
+
+@pytest.mark.parametrize("path", ["sync-free", "synchronous"])
+def test_cpu_worker_processes_compute_the_deltas_and_a_dead_one_hands_over(tmp_path,
+                                                                            monkeypatch, path):
+    """cpu-assist on CpuWorkerPool (one worker process), the adapters read
+    into shared chunks as the host tier's arena holds them: the workers read
+    them in place (nothing staged), and the outputs equal block's. Then the
+    worker is killed: the deltas after it run on the engine's threads and
+    the worker count drops to 0. Synchronous (`delta`, where the op is
+    missing on a GPU): the delta that finds it dead runs on the threads too,
+    and no adapter fails. Sync-free: the batch in flight waits out the
+    timeout and is not valid, so `collect` fails both adapters."""
+    if path == "synchronous":
+        monkeypatch.setattr(cold_mod, "enqueues", lambda assist, device: False)
+    chunks = SharedChunks(pinned=False)
+    adapters = make_adapters(tmp_path, shared_alloc(chunks))
+    pool = worker_pool(chunks, timeout_s=2.0)
+    try:
+        step = Step(adapters, "cpu-assist", cold=("cold", "cold2"), assist=pool)
+        assert step.cold.assist_workers == 1 and step.cold.enqueues == (path == "sync-free")
         step.tokens(TOKENS)
         x, y0 = inputs()
         for layer in range(GROUP):  # group 0, on the workers
@@ -327,10 +426,20 @@ def test_cpu_worker_processes_compute_the_deltas_and_a_dead_one_hands_over(tmp_p
         assert pool.stats.jobs > 0 and pool.stats.staged_bytes == 0
         os.kill(pool.pids[0], signal.SIGKILL)
         for layer in range(GROUP, LAYERS):
-            for yb, yg in step.layer(layer, x, y0):
+            outs = step.layer(layer, x, y0)
+            if layer == GROUP and path == "sync-free":
+                outs = outs[1:]  # the batch that waited out the timeout
+            for yb, yg in outs:
                 torch.testing.assert_close(yg, yb, rtol=1e-5, atol=1e-5)
-        assert not step.failed and step.cold.assisted_groups == 2 * (LAYERS // GROUP)
+        assert step.cold.assisted_groups == 2 * (LAYERS // GROUP)
         assert step.cold.assist_workers == 0 and type(step.cold.assist) is CpuAssist
+        step.cold.end_forward()
+        step.cold.collect()
+        if path == "synchronous":
+            assert not step.failed
+        else:
+            assert sorted(step.failed) == [10, 11]
+            assert all("stopped waiting for CPU LoRA job" in why for why in step.failed.values())
     finally:
         pool.close()
         chunks.close()

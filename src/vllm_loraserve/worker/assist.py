@@ -11,13 +11,11 @@ of the weights file (worker/host_tier.py; any strides). The caller
 (worker/cold_start.py) copies x down and the result up, and adds it.
 
 `CpuAssist` is plain torch on the engine's CPU threads
-(--loraserve-cpu-assist-workers -1, and after the workers failed). By
-default worker/cpu_lora/pool.py's `CpuWorkerPool.delta` (CPU processes over
-shared memory) computes the deltas through the same `Delta` interface.
-Either is called synchronously from the layer: copying x to the host waits
-for the device to reach that layer. `CpuWorkerPool.enqueue` (the csrc/ op:
-x copied and flagged on the stream, no host wait) is the sync-free path
-that would take the caller's copy-down/copy-up too; it is not wired in yet.
+(--loraserve-cpu-assist-workers -1, and after the workers failed), called
+synchronously from the layer: copying x to the host waits for the device
+to reach that layer. worker/cpu_lora/pool.py's `CpuWorkerPool` keeps the
+same `delta` (used where the csrc/ op is missing on a GPU); by default
+cold_start.py uses its sync-free `enqueue` instead.
 """
 
 from __future__ import annotations

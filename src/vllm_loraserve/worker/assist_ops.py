@@ -15,6 +15,11 @@ Where it comes from, in order:
    compiles for about a minute), from a source checkout.
 Without CUDA, or when both fail, the project runs without it: `available()`
 says why, and `log_availability()` says so once at start-up.
+
+`HostOps` is the same two calls where the "device" is this host (x on the
+CPU: CPU engines and the CPU suite): the same flags, set and awaited in the
+same order, so `CpuWorkerPool.enqueue` and cpu-assist's use of it run on the
+CPU unchanged. Its waits are the host's, which is what a CPU device means.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -38,6 +44,33 @@ _logged = False
 
 class AssistOpsUnavailable(RuntimeError):
     pass
+
+
+class HostOps:
+    """The op's calls for x on the CPU (see the module's doc)."""
+
+    POLL_S = 20e-6
+
+    @staticmethod
+    def copy_to_host_and_flag(x: torch.Tensor, dst: torch.Tensor, flags: torch.Tensor,
+                              index: int, value: int) -> None:
+        if not (x.device.type == "cpu" and dst.is_contiguous() and dst.dtype == x.dtype
+                and dst.numel() >= x.numel()):
+            raise ValueError("dst must be a contiguous CPU tensor of x's dtype with room for x")
+        dst.view(-1)[:x.numel()].copy_(x.reshape(-1))
+        flags[index] = value  # after the rows, as the GPU's flag kernel
+
+    @classmethod
+    def wait_host_flag(cls, flags: torch.Tensor, index: int, value: int, count: int = 1,
+                       timeout_ns: int = 0, timeout_index: int = -1) -> None:
+        waited = flags.numpy()[index:index + count]
+        deadline = time.monotonic() + timeout_ns / 1e9
+        while waited.min() < value:
+            if timeout_ns and time.monotonic() > deadline:
+                if timeout_index >= 0:
+                    flags[timeout_index] = value
+                return
+            time.sleep(cls.POLL_S)
 
 
 def _load() -> tuple[bool, str]:

@@ -20,12 +20,21 @@ group by layer group (`cold_start_group_layers` layers each):
   slot table rows are hidden from the kernels (`DevicePool.hide`) while the
   forward pass runs on CPU deltas: at a group's first layer, if the group has
   not landed yet (`landed`: an event query, no wait), its layers add the
-  cold adapters' deltas computed on the CPU from the host tier's copy (by
-  the CPU worker processes of worker/cpu_lora/pool.py, or worker/assist.py
-  on this process's threads; x is copied to the host, which waits for the
-  device). A delta that fails fails its adapter alone; a dead worker makes
-  that delta and the later ones run on this process's threads (logged, and
-  reported).
+  cold adapters' deltas computed on the CPU from the host tier's copy. Two
+  ways, chosen at start-up:
+  - sync-free (the CPU worker processes of worker/cpu_lora/pool.py, with the
+    csrc/ op on a GPU, or on the CPU): each module's deltas of every cold
+    adapter are one `CpuWorkerPool.enqueue` batch on the stream, and the
+    host never waits for the device. A job's failure is known only once
+    the host has synchronised with the stream: `collect`, called with the
+    step's report (after its output reached the host), fails the adapters
+    whose jobs failed, so their requests' outputs of that step are dropped;
+  - synchronous (worker/assist.py on this process's threads, or the
+    workers' `delta` where the op is missing on a GPU, logged at start-up):
+    x is copied to the host, which waits for the device.
+  A delta that fails fails its adapter alone; dead or stuck workers fail the
+  adapters whose deltas were in flight (sync-free) and make later deltas run
+  on this process's threads (logged, and reported).
   From the first group that has landed on, the rows are shown again and the
   layers run the GPU kernels, waiting on each group's flag as `pipelined`
   does. A delta is thus computed on the CPU or by the kernels, never both.
@@ -67,6 +76,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -75,8 +85,9 @@ import torch
 
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.step import PageLoad
+from vllm_loraserve.worker import assist_ops
 from vllm_loraserve.worker.assist import CpuAssist, Delta
-from vllm_loraserve.worker.cpu_lora.pool import CpuWorkerPool, WorkerFailure
+from vllm_loraserve.worker.cpu_lora.pool import Block, CpuWorkerPool, WorkerFailure
 from vllm_loraserve.worker.group_flags import GroupFlags
 from vllm_loraserve.worker.host_tier import HostAdapter
 from vllm_loraserve.worker.load_lane import HostLane, StreamLane
@@ -112,6 +123,20 @@ def group_spans(entry: HostAdapter, layers: range) -> list[tuple[int, int]]:
     return merged
 
 
+def enqueues(assist: Delta | None, device: torch.device) -> bool:
+    """Whether cpu-assist takes the sync-free path (see the module's doc)."""
+    if not isinstance(assist, CpuWorkerPool):
+        return False
+    if device.type == "cpu":
+        return True
+    ok, why = assist_ops.available()
+    if not (ok and assist.pinned):
+        logger.warning("vllm-loraserve cpu-assist: the sync-free path is off (%s): each CPU "
+                       "delta's copy of x waits for the device",
+                       why if not ok else "the workers' segments are not pinned")
+    return ok and assist.pinned
+
+
 def refuse_one_hardware_queue(mode: str) -> None:
     if mode != "block" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
         raise ValueError(f"--loraserve-cold-start {mode} needs the side stream in its own "
@@ -130,6 +155,7 @@ class _Cold:
     # cpu-assist: per layer, slice name -> (A [r, in], B [out, r]) in the host tier.
     weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     rows: torch.Tensor | None = None  # cpu-assist: its tokens' rows this step (device)
+    jobs: list[int] = field(default_factory=list)  # its sync-free jobs this step
 
 
 class ColdStart:
@@ -154,6 +180,12 @@ class ColdStart:
                                 self.device.type == "cuda" or pool.backend.name == "triton")
         self.lane = StreamLane(side, self.flags) if side is not None else HostLane(self.flags)
         self._pack, self._fail, self._done, self.assist = pack, fail, done, assist
+        self.enqueues = mode == "cpu-assist" and enqueues(assist, self.device)
+        # Steps whose sync-free deltas are not checked yet: (event after their
+        # forward pass, the pool, the adapters with jobs).
+        self._unchecked: deque[tuple[torch.cuda.Event | None, CpuWorkerPool,
+                                     list[_Cold]]] = deque()
+        self._jobs_pool: CpuWorkerPool | None = None  # the pool of this step's jobs
         # This step: groups in flight; assisted adapters; each group's
         # choice (True: GPU kernels, False: CPU deltas); rows shown again.
         self._pending = False
@@ -163,6 +195,7 @@ class ColdStart:
         # Totals for the residency report.
         self.pipelined_groups = 0  # (adapter, layer group) pairs written by groups
         self.assisted_groups = 0  # (adapter, layer group) pairs computed on the CPU
+        self.sync_free_jobs = 0  # CPU delta jobs enqueued without a host wait
         self.pack_s = self.write_s = 0.0
 
     def warm_up(self, modules: Iterable[ModuleSlices] = ()) -> None:
@@ -179,11 +212,13 @@ class ColdStart:
         dtype = self.pool.pages[0].dtype
         # Two adapters' rows, as after_layer concatenates them (distinct rows).
         rows = torch.cat(torch.arange(WARM_ROWS, device=self.device).chunk(2))
+        if self.enqueues:
+            self.assist.warm_up(self.device)
         for m in modules:
             x = torch.zeros(WARM_ROWS, m.in_features, dtype=dtype, device=self.device)
             y = torch.zeros(WARM_ROWS, sum(m.out_features), dtype=dtype, device=self.device)
-            xs = self._rows_to_host(x, rows)
-            self._add_delta(y, rows, torch.zeros(xs.shape[0], y.shape[1]))
+            xs = x.index_select(0, rows) if self.enqueues else self._rows_to_host(x, rows)
+            self._add_delta(y, rows, torch.zeros(xs.shape[0], y.shape[1], device=xs.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -201,8 +236,52 @@ class ColdStart:
         self.flags.check()
 
     def end_forward(self) -> None:
-        """The forward pass is queued: the host lane writes the rest now."""
+        """The forward pass is queued: the host lane writes the rest now, and
+        the step's sync-free deltas wait for `collect`."""
         self.lane.after_forward()
+        colds = [c for c in self._assisted if c.jobs]
+        if colds:
+            event = None
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+            self._unchecked.append((event, self._jobs_pool, colds))
+
+    def collect(self) -> None:
+        """With a step's report, its output on the host: fail the adapters
+        whose sync-free deltas failed in that step (the oldest step not
+        collected; later ones too where their forward pass is over). The
+        event's wait returns at once: the output's copy waited for it."""
+        first = True
+        while self._unchecked:
+            event, pool, colds = self._unchecked[0]
+            if event is not None:
+                if not (first or event.query()):
+                    break
+                event.synchronize()
+            self._unchecked.popleft()
+            first = False
+            try:
+                pool.check()
+            except WorkerFailure as e:
+                for c in colds:
+                    self._fail_assisted(c, e)
+                if pool is self.assist:
+                    self._workers_failed(e)
+                continue
+            for c in colds:
+                failure = pool.failure(c.jobs)
+                if failure is not None:
+                    self._fail_assisted(c, f"AssistError: {failure}")
+
+    def _fail_assisted(self, c: _Cold, why: Exception | str) -> None:
+        """Its rows' delta is incomplete: its requests fail (their outputs
+        are dropped); the other adapters go on."""
+        if not c.failed:
+            c.failed, c.data = True, None
+            if isinstance(why, Exception):
+                why = f"{type(why).__name__}: {why}"
+            self._fail(c.load, f"its CPU-assisted delta failed: {why}")
 
     @property
     def force_eager(self) -> bool:
@@ -299,6 +378,12 @@ class ColdStart:
         if not live:
             return
         rows = torch.cat([c.rows for c in live]) if len(live) > 1 else live[0].rows
+        if self.enqueues:
+            try:
+                self._enqueue(live, rows, layer, module, x, y)
+                return
+            except WorkerFailure as e:  # the pool broke before: this layer runs below
+                self._workers_failed(e)
         xs = self._rows_to_host(x, rows)
         out = torch.zeros(rows.numel(), sum(module.out_features), dtype=torch.float32)
         lo = 0
@@ -313,24 +398,54 @@ class ColdStart:
                     self._workers_failed(e)
                     self._deltas(c, layer, module, xs[lo:lo + n], out[lo:lo + n])
             except Exception as e:  # e.g. a weight dtype the workers refuse
-                # Its rows' delta is incomplete: its requests fail (their
-                # outputs are dropped); the other adapters go on.
-                c.failed, c.data = True, None
-                self._fail(c.load, f"its CPU-assisted delta failed: {type(e).__name__}: {e}")
+                self._fail_assisted(c, e)
             lo += n
         self._add_delta(y, rows, out)
+
+    def _enqueue(self, live: list[_Cold], rows: torch.Tensor, layer: int,
+                 module: ModuleSlices, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The sync-free path: every live adapter's slices in one batch."""
+        blocks: list[Block] = []
+        owners: list[tuple[_Cold, range]] = []
+        lo = 0
+        for c in live:
+            n = c.rows.numel()
+            mine = [Block(lo, lo + n, col, a, b.T, c.entry.scaling)
+                    for col, (a, b) in self._slices(c, layer, module)]
+            try:
+                for block in mine:
+                    self.assist.in_place(block.a, block.bt)
+            except ValueError as e:  # e.g. a weight dtype the workers refuse
+                self._fail_assisted(c, e)
+                mine = []
+            owners.append((c, range(len(blocks), len(blocks) + len(mine))))
+            blocks += mine
+            lo += n
+        if not blocks:
+            return
+        out = torch.zeros(rows.numel(), sum(module.out_features), dtype=torch.float32,
+                          device=y.device)
+        jobs = self.assist.enqueue(x.index_select(0, rows), blocks, out)
+        self._jobs_pool = self.assist
+        for c, span in owners:
+            c.jobs += [j for i in span for j in jobs[i]]
+        self.sync_free_jobs += sum(map(len, jobs))
+        self._add_delta(y, rows, out)
+
+    def _slices(self, cold: _Cold, layer: int, module: ModuleSlices):
+        """(output column, (A, B)) of each of `module`'s slices `cold` targets."""
+        weights = cold.weights[layer]
+        for s, col in enumerate(module.out_offsets):
+            ab = weights.get(self.pool.slices[module.first + s].name)
+            if ab is not None:
+                yield col, ab
 
     def _deltas(self, cold: _Cold, layer: int, module: ModuleSlices, xs: torch.Tensor,
                 out: torch.Tensor) -> None:
         """out[:, slice s columns] = the delta of every slice `cold` targets
         (written, not added: a retry overwrites a partial attempt)."""
-        weights = cold.weights[layer]
-        for s, (col, n_out) in enumerate(zip(module.out_offsets, module.out_features,
-                                             strict=True)):
-            ab = weights.get(self.pool.slices[module.first + s].name)
-            if ab is not None:
-                a, b = ab
-                self.assist.delta(xs, a, b.T, cold.entry.scaling, out=out[:, col:col + n_out])
+        for col, (a, b) in self._slices(cold, layer, module):
+            self.assist.delta(xs, a, b.T, cold.entry.scaling, out=out[:, col:col + b.shape[0]])
 
     def _workers_failed(self, e: WorkerFailure) -> None:
         """The pool is unusable from now on: this and later deltas run on this
@@ -339,6 +454,7 @@ class ColdStart:
                      "on the engine's own threads from now on", e)
         self.assist.close()
         self.assist = CpuAssist()
+        self.enqueues = False
 
     @property
     def assist_workers(self) -> int:
@@ -347,12 +463,12 @@ class ColdStart:
 
     @staticmethod
     def _rows_to_host(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        # Waits for the device to reach this layer (issue 24 item 3 removes it).
+        # Waits for the device to reach this layer (the synchronous path).
         return x.index_select(0, rows).cpu()
 
     @staticmethod
     def _add_delta(y: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:
-        """y[rows] += delta (fp32, on the CPU), with one rounding to y's
-        dtype, as the expand kernel's."""
+        """y[rows] += delta (fp32, on the CPU or y's device), with one
+        rounding to y's dtype, as the expand kernel's."""
         y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta.to(y.device))
                       .to(y.dtype))

@@ -228,9 +228,10 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             CpuPoolConfig(workers=self.cfg.cpu_assist_workers, read_threads=self.cfg.read_threads,
                           gpu_workers=gpus, local_rank=(device.index or 0) % gpus,
                           max_in=max(s.in_features for s in layout.slices),
-                          max_out=max(s.out_features for s in layout.slices),
+                          # a batch's results: a module's slices side by side
+                          max_out=max(sum(ms.out_features) for ms in self._module_kinds),
                           max_rank=self.lora_config.max_lora_rank),
-            weights=self._shared.segments)
+            weights=self._shared.segments, pin=device.type == "cuda")
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         """Attach the pool to the KV cache (once, after vLLM made it)."""
@@ -456,6 +457,9 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self.load_write_s += time.perf_counter() - t1
 
     def report(self) -> PoolReport:
+        """The step's report (worker/hooks.py: its output is on the host by now)."""
+        if self.cold is not None:  # sync-free CPU deltas that failed fail their adapters
+            self.cold.collect()
         return self.host.report()
 
     # -- the model runner's interface -------------------------------------------
@@ -526,7 +530,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             host_overflow_loads=self.host_overflow_loads, cold_start=self.cfg.cold_start,
             pipelined_groups=cold.pipelined_groups if cold else 0,
             assisted_groups=cold.assisted_groups if cold else 0,
-            cpu_assist_workers=cold.assist_workers if cold else 0)
+            cpu_assist_workers=cold.assist_workers if cold else 0,
+            sync_free_jobs=cold.sync_free_jobs if cold else 0)
         return ResidencyReport(
             gpu=tuple(gpu), host=tuple(sorted(set(host_ids) - set(gpu))), events=events,
             dropped_events=self.dropped_events, pages={i: pool.pages_of(i) for i in gpu},

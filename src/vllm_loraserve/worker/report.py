@@ -85,6 +85,9 @@ class PoolCounters:
     # cpu-assist: the CPU worker processes computing its deltas now (0: the
     # engine's own threads, also after the workers failed).
     cpu_assist_workers: int = 0
+    # cpu-assist: CPU delta jobs enqueued without a host wait (the sync-free
+    # path: the workers with the csrc/ op on a GPU, or on the CPU).
+    sync_free_jobs: int = 0
 
 
 @dataclass(frozen=True)

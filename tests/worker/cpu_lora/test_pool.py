@@ -1,7 +1,8 @@
 """CpuWorkerPool on the CPU: the maths against the torch reference, the
 scaling convention, weights read in place from a shared arena, the rows
-path the GPU takes (READY set by someone else), failures that raise instead
-of hanging, and a shutdown that leaves no process, descriptor or mapping."""
+path the GPU takes (READY set by someone else), `enqueue`'s batches on the
+CPU's HostOps, each job's own failure, failures that raise instead of
+hanging, and a shutdown that leaves no process, descriptor or mapping."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from vllm_loraserve.paging.layout import LayerLayout, SliceSpec, pack_layer, rea
 from vllm_loraserve.worker.arena import PinnedArena
 from vllm_loraserve.worker.cpu_lora.pool import (
     AssistError,
+    Block,
     CpuPoolConfig,
     CpuWorkerPool,
     WorkerFailure,
@@ -195,6 +197,80 @@ def test_a_failing_job_raises_its_error_and_the_pool_goes_on(pool, arena):
     x = torch.randn(30, 64, generator=g)
     torch.testing.assert_close(pool.delta(x, a, bt, 1.0), reference(x, a, bt, 1.0),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_enqueue_batches_blocks_over_shared_rows(pool, arena):
+    """Three adapters' slices over one set of rows (as a layer's cold
+    adapters x a fused module's slices), 230 rows in three batches of <= 96:
+    each block's rows and columns hold its delta, everything else is left as
+    it was; one READY flag per batch, every job done and none failed."""
+    g = torch.Generator().manual_seed(9)
+    k, width = 128, 320
+    x = torch.randn(230, k, generator=g).bfloat16()
+    spans = [(0, 70, 0, 128, 8), (0, 70, 128, 64, 8), (70, 71, 0, 128, 16),
+             (71, 230, 192, 128, 4), (71, 230, 0, 128, 4)]
+    blocks = []
+    for start, end, col, m, r in spans:
+        a = _in_arena(arena[0], torch.randn(r, k, generator=g).bfloat16())
+        b = _in_arena(arena[0], torch.randn(m, r, generator=g).bfloat16())
+        blocks.append(Block(start, end, col, a, b.T, 0.5))
+    out = torch.full((230, width), 7.0)
+    jobs_before, staged = pool.stats.jobs, pool.stats.staged_bytes
+    jobs = pool.enqueue(x, blocks, out)
+    expected = torch.full((230, width), 7.0)
+    for b in blocks:
+        m = b.bt.shape[1]
+        expected[b.start:b.end, b.col:b.col + m] = reference(x[b.start:b.end], b.a, b.bt, 0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    # Rows 71-230 cross the batches' edges (96, 192): one job per batch.
+    assert [len(j) for j in jobs] == [1, 1, 1, 3, 3]
+    assert pool.stats.jobs - jobs_before == 9 and pool.stats.staged_bytes == staged
+    pool.check()
+    assert pool.failure([j for js in jobs for j in js]) is None
+    with pytest.raises(ValueError, match="in place"):  # weights outside the arena
+        pool.enqueue(x, [Block(0, 5, 0, blocks[0].a.clone(), blocks[0].bt, 1.0)], out)
+    with pytest.raises(ValueError, match="do not fit"):
+        pool.enqueue(x, [Block(0, 231, 0, blocks[0].a, blocks[0].bt, 1.0)], out)
+    assert pool.stats.jobs - jobs_before == 9  # refused before anything was posted
+
+
+def _post_failing(pool, a, bt, n=30):
+    """A job whose a lies outside every segment: the workers fail it."""
+    job = pool.post(n, torch.float32, a, bt, 1.0, torch.float32, host_ready=False,
+                    notify=True, stage=False)
+    pool.ctl.jobs[job % pool.layout.depth]["a_off"] = 1 << 40
+    pool.flags[pool.ctl.ready_index(job)] = job
+    return job
+
+
+def test_each_job_keeps_its_own_failure(arena):
+    """Two failures by the same workers, a good job between them, and a ring
+    of 4 slots wrapped past the first failure: each job's failure is still
+    its own (a worker's ERROR flag holds only its last)."""
+    chunks = arena[1]
+    with CpuWorkerPool(CpuPoolConfig(**SMALL, depth=4), weights=chunks.segments) as pool:
+        g = torch.Generator().manual_seed(10)
+        a = _in_arena(arena[0], torch.randn(4, 64, generator=g))
+        bt = _in_arena(arena[0], torch.randn(4, 64, generator=g))
+        bad1 = _post_failing(pool, a, bt)
+        good = pool.post(30, torch.float32, a, bt, 1.0, torch.float32, host_ready=True,
+                         notify=True, stage=False)
+        bad2 = _post_failing(pool, a, bt)
+        pool.wait(good)  # a job that did not fail raises nothing
+        with pytest.raises(AssistError, match=f"failed job {bad2}: ValueError"):
+            pool.wait(bad2)
+        pool.wait(pool.post(30, torch.float32, a, bt, 1.0, torch.float32, host_ready=True,
+                            notify=True, stage=False))
+        bad3 = _post_failing(pool, a, bt)  # in bad1's slot
+        assert bad3 % 4 == bad1 % 4
+        with pytest.raises(AssistError, match=f"failed job {bad3}"):
+            pool.wait(bad3)
+        assert pool.ctl.flags[pool.ctl.failed_index(bad1)] == bad3
+        assert f"failed job {bad1}" in pool.failure([good, bad1])
+        assert pool.failure([good]) is None
+        x = torch.randn(30, 64, generator=g)
+        torch.testing.assert_close(pool.delta(x, a, bt, 1.0), reference(x, a, bt, 1.0),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_bad_shapes_are_refused_before_any_job(pool):

@@ -5,10 +5,15 @@ The segment holds, in order:
 
 - `flags` (int64): SHUTDOWN; TIMED_OUT (a device wait that gave up stores its
   job here); one READY flag per descriptor slot (the job whose input rows are
-  in place: set by the engine, or by the GPU's copy_to_host_and_flag); one
-  DONE and one ERROR flag per worker (the last job it finished / failed).
+  in place: set by the engine, or by the GPU's copy_to_host_and_flag; a job
+  waits on the READY flag of its descriptor's `ready_job`, so a batch of
+  jobs over the same rows is published by one flag); one DONE and one ERROR
+  flag per worker (the last job it finished / failed); one FAILED flag per
+  descriptor slot (the slot's last job that some worker failed, so each
+  job's failure is known, not only a worker's last one).
   Job ids start at 1 and grow by one; a flag holds a job id, so waits are
-  `flag >= job`. Only one side ever writes a given flag.
+  `flag >= job`. Only one side ever writes a given flag (FAILED: the
+  workers, each storing the same job id).
 - `speeds` (float64, one per worker): rows/s of the start-up profile GEMM;
   0 until the worker has started.
 - `jobs`: a ring of `depth` job descriptors (`descriptor_dtype`), slot
@@ -50,11 +55,14 @@ def _tensor_fields(name: str) -> list[tuple[str, type]]:
 
 def descriptor_dtype(workers: int) -> np.dtype:
     """One job: y[rows, out] = ((x[rows, in] @ a.T) * scaling) @ bt, each
-    worker taking its `rows` range (start, end) of the job's `n` rows."""
+    worker taking its `rows` range (start, end) of the job's `n` rows; x
+    ([n, in], contiguous) and y ([n, out], contiguous) lie in the io segment
+    at byte offsets `x_off` and `y_off`."""
     return np.dtype(
-        [("job", np.int64), ("n", np.int64), ("in_features", np.int64),
-         ("out_features", np.int64), ("rank", np.int64), ("x_dtype", np.int64),
-         ("y_dtype", np.int64), ("y_off", np.int64), ("notify", np.int64),
+        [("job", np.int64), ("ready_job", np.int64), ("n", np.int64),
+         ("in_features", np.int64), ("out_features", np.int64), ("rank", np.int64),
+         ("x_dtype", np.int64), ("y_dtype", np.int64), ("x_off", np.int64),
+         ("y_off", np.int64), ("notify", np.int64),
          ("scaling", np.float64)]
         + _tensor_fields("a") + _tensor_fields("bt")
         + [("rows", np.int64, (workers, 2))],
@@ -79,8 +87,12 @@ class ControlLayout:
         return self.done0 + self.workers
 
     @property
-    def num_flags(self) -> int:
+    def failed0(self) -> int:
         return self.error0 + self.workers
+
+    @property
+    def num_flags(self) -> int:
+        return self.failed0 + self.depth
 
     def _offsets(self) -> tuple[int, int, int, int]:
         speeds = 8 * self.num_flags
@@ -114,6 +126,9 @@ class Control:
     def done(self) -> np.ndarray:
         lay = self.layout
         return self.flags[lay.done0:lay.done0 + lay.workers]
+
+    def failed_index(self, job: int) -> int:
+        return self.layout.failed0 + job % self.layout.depth
 
     def errors(self) -> np.ndarray:
         lay = self.layout

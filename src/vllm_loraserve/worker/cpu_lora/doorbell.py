@@ -1,7 +1,8 @@
 """A counting doorbell between processes: a Linux eventfd in semaphore mode.
 
-The engine rings a worker's bell once per job and each worker rings the
-engine's when a job it was told to report is done; a waiter sleeps in the
+The engine rings a worker's bell once per job (a batch's rings in one
+write) and each worker rings the engine's when a job it was told to report
+is done; a waiter sleeps in the
 kernel until a ring or its timeout. An eventfd is a file descriptor,
 handed to the workers with `pass_fds`, so it needs no
 multiprocessing (which refuses to start children from vLLM's daemonic
@@ -21,8 +22,9 @@ class Doorbell:
         flags = os.EFD_SEMAPHORE | os.EFD_NONBLOCK | os.EFD_CLOEXEC
         self.fd = os.eventfd(0, flags) if fd is None else fd
 
-    def ring(self) -> None:
-        os.eventfd_write(self.fd, 1)
+    def ring(self, times: int = 1) -> None:
+        """`times` rings at once (one write: a waiter takes them one by one)."""
+        os.eventfd_write(self.fd, times)
 
     def wait(self, timeout: float) -> bool:
         """Take one ring, waiting up to `timeout` seconds; False if none came."""

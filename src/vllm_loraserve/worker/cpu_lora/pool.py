@@ -10,14 +10,20 @@ semaphores: doorbell.py).
 
 Two ways in:
 - `delta(x, a, bt, scaling)`: the host writes the rows, posts the job and
-  waits for it (the CPU path, and a cold-start path without the CUDA op).
-- `enqueue(x, a, bt, scaling, y)`: y (CUDA) += the delta of x (CUDA), all
-  on the current stream with the csrc/ op: the GPU copies the rows into
-  the io segment and flags them ready, the workers spin on that flag, the
-  GPU waits on their DONE flags, then copies the result back and adds it.
-  The host never waits on the stream. Needs `pin=True` and the op.
-  Jobs run in order; the io segment holds one job's rows, which the stream
-  order makes safe (a job's rows are written after the previous job's wait).
+  waits for it (cpu-assist where the CUDA op is missing).
+- `enqueue(x, blocks, out)`: a batch of deltas over one set of rows (a
+  layer's cold adapters x the module's slices: one `Block` each), all on
+  x's device. On CUDA, on the current stream with the csrc/ op: the GPU
+  copies the rows into the io segment and sets one READY flag for the
+  batch, the workers spin on it, the GPU waits on their DONE flags, then
+  copies the results back in one copy; the host never waits on the stream
+  (needs `pin=True` and the op). On the CPU the same calls run on
+  assist_ops.HostOps, whose waits are the host's. Batches run in order; the
+  io segment holds one batch's rows and results, which the stream order
+  makes safe (a batch's rows are written after the previous batch's wait).
+  Each job's failure is read with `failure(jobs)` once the stream passed it.
+  Do not call `delta` on a CUDA pool while enqueued batches may be pending
+  on a stream (it would reuse the io segment before their copy back).
 
 Scaling: `bt` is B transposed as the adapter's files hold it (unscaled), and
 the pool applies `scaling` (alpha / r) itself. A Bt read from the device
@@ -32,8 +38,9 @@ passing the wait (the host tier frees an extent only after the step's fence,
 which covers it). Other weights are copied into the io segment's staging
 area for `delta` (counted in `stats.staged_bytes`) and refused by `enqueue`.
 
-Failures: a worker's exception fails its job (`AssistError` with its text;
-the pool goes on). A worker that dies, or a job not done within
+Failures: a worker's exception fails its job (the pool goes on): `delta`
+and `wait` raise it (`AssistError` with its text), `failure(jobs)` returns
+it for enqueued jobs. A worker that dies, or a job not done within
 `timeout_s`, breaks the pool: that call and every later one raise
 `WorkerFailure`. `close()` stops the workers (SHUTDOWN, then kill after a
 grace period) and unmaps everything. The segments have no names (shm.py):
@@ -74,6 +81,7 @@ logger = logging.getLogger(f"vllm.{__name__}")
 
 POLL_S = 0.01  # how long a host wait sleeps before it looks at the workers' health
 STOP_GRACE_S = 2.0  # a worker finishes its job before it sees SHUTDOWN
+LOST_MESSAGE = " (its message gave way to the worker's later failure)"
 
 
 @dataclass(frozen=True)
@@ -98,8 +106,10 @@ class CpuPoolConfig:
     """Largest rank of weights staged (copied) for `delta` because they lie outside `weights`."""
     min_rows: int = 16
     """Fewest rows worth a worker: a job of n rows uses the n // min_rows fastest workers."""
-    depth: int = 512
-    """Jobs posted ahead of the workers (the descriptor ring): a step's enqueued deltas."""
+    depth: int = 4096
+    """Jobs posted ahead of the workers (the descriptor ring): a step's enqueued deltas
+    (layers x cold adapters x slices); a job beyond it makes the host wait for the one
+    `depth` earlier."""
     timeout_s: float = 30.0
     """A job not done within this breaks the pool (host waits; workers' ready waits; the
     device wait, which then records the job in TIMED_OUT and lets the stream go on)."""
@@ -135,6 +145,20 @@ class PoolStats:
     jobs: int = 0
     rows: int = 0
     staged_bytes: int = 0  # weights copied into the io segment (zero when they lie in `weights`)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One job of an `enqueue` batch: out[start:end, col:col + m] =
+    ((x[start:end] @ a.T) * scaling) @ bt, for a [r, in] and bt [r, m] lying
+    in the pool's weight segments."""
+
+    start: int
+    end: int
+    col: int
+    a: torch.Tensor
+    bt: torch.Tensor
+    scaling: float
 
 
 @dataclass(frozen=True)
@@ -191,7 +215,7 @@ class CpuWorkerPool:
         self.stats = PoolStats()
         self._lock = threading.Lock()
         self._next_job = 1
-        self._checked = 0  # jobs up to here have had their errors raised
+        self._failures: dict[int, str] = {}  # failed jobs whose FAILED slot was reused
         self._broken: WorkerFailure | None = None
         self.pinned = pin
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -285,33 +309,48 @@ class CpuWorkerPool:
             self.stats.staged_bytes += t.numel() * t.element_size()
         return locs
 
+    def in_place(self, a: torch.Tensor, bt: torch.Tensor) -> list[_Loc]:
+        """Where the workers read a and bt; ValueError unless both lie in `weights`."""
+        locs = [self._locate(a), self._locate(bt)]
+        if None in locs:
+            raise ValueError("weights outside the pool's weight segments cannot be read "
+                             "in place by the workers")
+        return locs
+
     def post(self, n: int, x_dtype: torch.dtype, a: torch.Tensor, bt: torch.Tensor,
              scaling: float, y_dtype: torch.dtype, *, host_ready: bool, notify: bool,
-             stage: bool) -> int:
-        """Post one job over the io segment's first n rows; returns its id.
-        `host_ready`: the rows are in place (else whoever writes them sets
-        flags[ctl.ready_index(job)] = job: the GPU's copy_to_host_and_flag).
-        `notify`: workers post the done semaphore (host waits). `stage`: copy
-        weights outside `weights` into the io segment (one job in flight)."""
+             stage: bool, x_off: int = 0, y_off: int | None = None,
+             ready_job: int | None = None, ring: bool = True) -> int:
+        """Post one job over n rows at byte `x_off` of the io segment, its
+        results at byte `y_off` (default: the results area's start);
+        returns its id. `host_ready`: the rows are in place (else whoever
+        writes them sets flags[ctl.ready_index(r)] = r for r = `ready_job`,
+        default this job: the GPU's copy_to_host_and_flag). `notify`:
+        workers post the done semaphore (host waits). `stage`: copy weights
+        outside `weights` into the io segment (one job in flight). `ring`:
+        ring the workers now (else the caller rings once per batch)."""
         rank, k = a.shape
         m = bt.shape[1]
         if bt.shape[0] != rank or x_dtype not in DTYPE_CODE or y_dtype not in DTYPE_CODE:
             raise ValueError(f"a {tuple(a.shape)} and bt {tuple(bt.shape)} must share the rank; "
                              f"x and y dtypes must be among {list(DTYPE_CODE)}")
         self._check_shape(n, k, m)
-        locs = [self._locate(a), self._locate(bt)]
-        if None in locs:
+        try:
+            locs = self.in_place(a, bt)
+        except ValueError:
             if not stage:
-                raise ValueError("weights outside the pool's weight segments cannot be read "
-                                 "in place by the workers")
+                raise
             locs = self._stage((a, bt))
         job = self._next_job
-        if job > self.layout.depth:
-            self.wait(job - self.layout.depth)  # the slot's previous job is done
+        if job > self.layout.depth:  # the slot's previous job must be done
+            self._await(job - self.layout.depth)
+            self._keep_failure(job - self.layout.depth)
         d = self.ctl.jobs[job % self.layout.depth]
         d["job"], d["n"], d["in_features"], d["out_features"], d["rank"] = job, n, k, m, rank
+        d["ready_job"] = job if ready_job is None else ready_job
         d["x_dtype"], d["y_dtype"] = DTYPE_CODE[x_dtype], DTYPE_CODE[y_dtype]
-        d["y_off"], d["notify"], d["scaling"] = self._y_off, int(notify), float(scaling)
+        d["x_off"], d["y_off"] = x_off, self._y_off if y_off is None else y_off
+        d["notify"], d["scaling"] = int(notify), float(scaling)
         for name, loc in zip(("a", "bt"), locs, strict=True):
             d[f"{name}_seg"], d[f"{name}_off"] = loc.seg, loc.off
             d[f"{name}_s0"], d[f"{name}_s1"], d[f"{name}_dtype"] = loc.s0, loc.s1, loc.dtype
@@ -319,15 +358,23 @@ class CpuWorkerPool:
         self._next_job = job + 1
         if host_ready:
             self.ctl.flags[self.ctl.ready_index(job)] = job
-        for bell in self._go:
-            bell.ring()
+        if ring:
+            for bell in self._go:
+                bell.ring()
         self.stats.jobs += 1
         self.stats.rows += n
         return job
 
     def wait(self, job: int) -> None:
-        """Block until every worker is done with `job` (a host wait), then
-        raise what failed up to it."""
+        """Block until every worker is done with `job` (a host wait); raise
+        WorkerFailure if the pool broke, AssistError if `job` failed."""
+        self._await(job)
+        self.check()
+        failure = self.failure([job])
+        if failure is not None:
+            raise AssistError(failure)
+
+    def _await(self, job: int) -> None:
         self._raise_if_broken()
         done = self.ctl.done()
         deadline = time.monotonic() + self.config.timeout_s
@@ -341,7 +388,6 @@ class CpuWorkerPool:
                             f"{self.config.timeout_s} s")
         while self._done.take():  # rings of workers seen done above
             pass
-        self.check(job)
 
     def _check_alive(self, when: str) -> None:
         for i, p in enumerate(self._procs):
@@ -349,25 +395,44 @@ class CpuWorkerPool:
                 self._break(f"CPU LoRA worker {i} (core {self.cores[i]}, pid {p.pid}) died "
                             f"with exit code {p.returncode}{when}")
 
-    def check(self, upto: int | None = None) -> None:
-        """Raise the first failure among jobs done up to `upto` (default:
-        all done so far): a device wait that timed out, a dead worker, or a
-        worker's error. After `enqueue`, call it once the host has
-        synchronised with the stream anyway (a step's end)."""
+    def check(self) -> None:
+        """Raise WorkerFailure if the pool broke: a device wait that timed
+        out (its delta is not valid), or a dead worker. After `enqueue`,
+        call it once the host has synchronised with the stream anyway (a
+        step's end), then `failure` for each job's own error."""
         self._raise_if_broken()
         timed_out = int(self.ctl.flags[TIMED_OUT])
         if timed_out:
-            self._break(f"the GPU stopped waiting for CPU LoRA job {timed_out} after "
-                        f"{self.config.timeout_s} s: the delta it added is not valid")
+            self._break(f"the {'GPU' if self.pinned else 'host'} stopped waiting for CPU LoRA "
+                        f"job {timed_out} after {self.config.timeout_s} s: the delta it added "
+                        "is not valid")
         self._check_alive("")
-        upto = int(self.ctl.done().min()) if upto is None else upto
+
+    def failure(self, jobs: Sequence[int]) -> str | None:
+        """A failure among `jobs`, each done (waited for, or passed by the
+        stream), as text (one whose worker's message is still there, if
+        any); None if none failed."""
+        texts = []
+        for job in jobs:
+            text = self._failures.pop(job, None)
+            if text is None and self.ctl.flags[self.ctl.failed_index(job)] == job:
+                text = self._failure_text(job)
+            if text is not None:
+                texts.append(text)
+        told = [t for t in texts if not t.endswith(LOST_MESSAGE)]
+        return (told or texts or [None])[0]
+
+    def _keep_failure(self, job: int) -> None:
+        """Before `job`'s FAILED slot is reused: keep its failure for `failure`."""
+        if self.ctl.flags[self.ctl.failed_index(job)] == job:
+            self._failures[job] = self._failure_text(job)
+
+    def _failure_text(self, job: int) -> str:
         errors = self.ctl.errors()
-        failed = [(int(errors[i]), i) for i in range(len(errors))
-                  if self._checked < errors[i] <= upto]
-        self._checked = max(self._checked, upto)
-        if failed:
-            job, i = min(failed)
-            raise AssistError(f"CPU LoRA worker {i} failed job {job}: {self.ctl.message(i)}")
+        for i in range(len(errors)):
+            if errors[i] == job:
+                return f"CPU LoRA worker {i} failed job {job}: {self.ctl.message(i)}"
+        return f"a CPU LoRA worker failed job {job}{LOST_MESSAGE}"
 
     def _break(self, why: str) -> None:
         self._broken = WorkerFailure(why)
@@ -398,7 +463,7 @@ class CpuWorkerPool:
                              f"{out_dtype} on the CPU")
         with self._lock:
             if self._next_job > 1:
-                self.wait(self._next_job - 1)  # jobs enqueued on a stream finish first
+                self._await(self._next_job - 1)  # jobs enqueued before finish first
             for start in range(0, n, self.config.max_rows):
                 rows = x[start:start + self.config.max_rows]
                 xin = self.x_view(rows.shape[0], rows.shape[1], rows.dtype)
@@ -410,34 +475,105 @@ class CpuWorkerPool:
                 out[start:start + rows.shape[0]] = self.y_view(rows.shape[0], m, out_dtype)
         return out
 
-    def enqueue(self, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, scaling: float,
-                y: torch.Tensor) -> None:
-        """y += ((x @ a.T) * scaling) @ bt, rounded to y's dtype, for x [n, in]
-        and y [n, out] on the GPU: enqueued on the current stream, computed
-        by the workers; the host does not wait. `check()` after a host sync
-        raises what failed."""
-        ops = assist_ops.ops()
-        if not self.pinned:
-            raise ValueError("enqueue needs a pool made with pin=True")
-        if not (x.is_cuda and y.is_cuda and x.dim() == y.dim() == 2 and x.shape[0] == y.shape[0]
-                and x.shape[1] == a.shape[1] and y.shape[1] == bt.shape[1]):
-            raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} (CUDA) do not match a "
-                             f"{tuple(a.shape)}, bt {tuple(bt.shape)}")
-        n, k, m = x.shape[0], x.shape[1], y.shape[1]
+    def enqueue(self, x: torch.Tensor, blocks: Sequence[Block],
+                out: torch.Tensor) -> list[list[int]]:
+        """out[b.start:b.end, b.col:b.col + m] = each block's delta of x's
+        rows, in fp32 (out's other elements are left as they are), for x
+        [n, in] and out [n, *] float32 on x's device: enqueued on the
+        current CUDA stream with the csrc/ op (the host does not wait), or on
+        the CPU with HostOps (the host waits). Rows beyond `max_rows` go in
+        several batches. Returns each block's jobs: `check()`, then
+        `failure(jobs)`, once the stream passed them. Raises ValueError, before enqueueing
+        anything, for weights outside `weights` or shapes beyond the config."""
+        ops = assist_ops.HostOps if x.device.type == "cpu" else assist_ops.ops()
+        if x.is_cuda and not self.pinned:
+            raise ValueError("enqueue on a GPU needs a pool made with pin=True")
+        n, k = x.shape if x.dim() == 2 else (-1, -1)
+        if not (x.dim() == out.dim() == 2 and out.shape[0] == n and x.is_contiguous()
+                and out.dtype == torch.float32 and out.device == x.device):
+            raise ValueError(f"x {tuple(x.shape)} (contiguous) and out {tuple(out.shape)} "
+                             f"float32 on {x.device} do not match")
+        batches = self._plan(n, k, blocks, out.shape[1])
         timeout_ns = int(self.config.timeout_s * 1e9)
+        jobs: list[list[int]] = [[] for _ in blocks]
+        last = 0
         with self._lock:
             self._raise_if_broken()
-            for start in range(0, n, self.config.max_rows):
-                rows = min(self.config.max_rows, n - start)
-                job = self.post(rows, x.dtype, a, bt, scaling, y.dtype, host_ready=False,
-                                notify=False, stage=False)
-                ops.copy_to_host_and_flag(x[start:start + rows].contiguous(),
-                                          self.x_view(rows, k, x.dtype), self.flags,
-                                          self.ctl.ready_index(job), job)
-                ops.wait_host_flag(self.flags, self.layout.done0, job, len(self.cores),
+            if self.ctl.flags[TIMED_OUT]:  # a wait gave up: no more waits that will time out
+                self.check()
+            for c0, c1, placed, y_end in batches:
+                ready = self._next_job
+                ops.copy_to_host_and_flag(x[c0:c1], self.x_view(c1 - c0, k, x.dtype),
+                                          self.flags, self.ctl.ready_index(ready), ready)
+                for i, s, e, y_off in placed:
+                    b = blocks[i]
+                    last = self.post(
+                        e - s, x.dtype, b.a, b.bt, b.scaling, torch.float32, host_ready=False,
+                        notify=False, stage=False, x_off=(s - c0) * k * x.element_size(),
+                        y_off=y_off, ready_job=ready, ring=False)
+                    jobs[i].append(last)
+                for bell in self._go:
+                    bell.ring(len(placed))
+                ops.wait_host_flag(self.flags, self.layout.done0, last, len(self.cores),
                                    timeout_ns, TIMED_OUT)
-                y[start:start + rows] += self.y_view(rows, m, y.dtype).to(
-                    y.device, non_blocking=True)
+                # One copy back of the batch's results (contiguous, in the io segment).
+                ys = self._io.bytes[self._y_off:y_end].view(torch.float32).to(
+                    x.device, non_blocking=True)
+                for i, s, e, y_off in placed:
+                    b = blocks[i]
+                    o, m = (y_off - self._y_off) // 4, b.bt.shape[1]
+                    out[s:e, b.col:b.col + m].copy_(ys[o:o + (e - s) * m].view(e - s, m))
+        return jobs
+
+    def _plan(self, n: int, k: int, blocks: Sequence[Block], width: int
+              ) -> list[tuple[int, int, list[tuple[int, int, int, int]], int]]:
+        """Batches of at most max_rows rows: (first row, end, [(block index, its
+        rows' start, end, results' byte offset)], results' end), checked
+        before any is posted."""
+        cfg = self.config
+        self._check_shape(min(n, cfg.max_rows), k, 1)
+        for b in blocks:
+            m = b.bt.shape[1]
+            if not (0 <= b.start < b.end <= n and 0 <= b.col and b.col + m <= width
+                    and b.a.shape[1] == k):
+                raise ValueError(f"block rows [{b.start}, {b.end}) cols [{b.col}, {b.col + m}) "
+                                 f"with a {tuple(b.a.shape)} do not fit x [{n}, {k}] -> "
+                                 f"out [{n}, {width}]")
+            self._check_shape(1, k, m)
+            self.in_place(b.a, b.bt)
+        batches = []
+        for c0 in range(0, n, cfg.max_rows):
+            c1, y_off, placed = min(n, c0 + cfg.max_rows), self._y_off, []
+            for i, b in enumerate(blocks):
+                s, e = max(b.start, c0), min(b.end, c1)
+                if s < e:
+                    placed.append((i, s, e, y_off))
+                    y_off += (e - s) * b.bt.shape[1] * 4
+            if y_off > self._stage_off:
+                raise ValueError(f"rows {c0}-{c1}: the blocks' results need "
+                                 f"{y_off - self._y_off} bytes, the io segment holds "
+                                 f"{self._stage_off - self._y_off} (max_rows x max_out fp32)")
+            if placed:
+                batches.append((c0, c1, placed, y_off))
+        jobs = sum(len(p) for _, _, p, _ in batches)
+        if jobs > self.layout.depth:
+            raise ValueError(f"{jobs} jobs in one call exceed the ring's depth "
+                             f"{self.layout.depth}")
+        return batches
+
+    def warm_up(self, device: torch.device) -> None:
+        """On CUDA: launch the op's kernels and the copies once, on flags
+        already set (CUDA loads a kernel at its first launch, and that load
+        waits for the whole device: a step's first batch must not be one)."""
+        if device.type != "cuda":
+            return
+        ops = assist_ops.ops()
+        ops.copy_to_host_and_flag(torch.zeros(1, 1, device=device),
+                                  self.x_view(1, 1, torch.float32), self.flags,
+                                  self.ctl.ready_index(0), 0)
+        ops.wait_host_flag(self.flags, self.layout.done0, 0, len(self.cores), 0, TIMED_OUT)
+        self.y_view(1, 1, torch.float32).to(device, non_blocking=True)
+        torch.cuda.synchronize(device)
 
     # -- lifetime ----------------------------------------------------------
     @property

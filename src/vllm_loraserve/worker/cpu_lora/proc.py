@@ -8,11 +8,11 @@ ARGS_JSON`, inheriting the segments' descriptors and two doorbells
 the engine dies, maps the segments, profiles its core (split.py) and
 publishes the speed, which tells the engine it is up. Then, per job: wait
 for its doorbell (the engine posted a descriptor; idle workers sleep here,
-in the kernel), spin on the slot's READY flag (set by the engine, or by the
-GPU's copy of the rows; a spin of `spin_s`, then short sleeps), compute its
-rows' share, store DONE. A failure stores its text and the job in ERROR,
-then DONE: nobody waits for a job that will not come. It exits on SHUTDOWN,
-or when its parent is gone.
+in the kernel), spin on the READY flag of the descriptor's `ready_job` (set
+by the engine, or by the GPU's copy of the rows; a spin of `spin_s`, then
+short sleeps), compute its rows' share, store DONE. A failure stores its
+text and the job in ERROR and FAILED, then DONE: nobody waits for a job
+that will not come. It exits on SHUTDOWN, or when its parent is gone.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _compute(d, index: int, segments: list[SharedSegment]) -> None:
         return
     n, k, m, r = (int(d[f]) for f in ("n", "in_features", "out_features", "rank"))
     io = segments[0].bytes
-    x = strided(io, 0, (n, k), (k, 1), DTYPES[int(d["x_dtype"])])[start:end]
+    x = strided(io, int(d["x_off"]), (n, k), (k, 1), DTYPES[int(d["x_dtype"])])[start:end]
     a = strided(segments[int(d["a_seg"])].bytes, int(d["a_off"]), (r, k),
                 (int(d["a_s0"]), int(d["a_s1"])), DTYPES[int(d["a_dtype"])])
     bt = strided(segments[int(d["bt_seg"])].bytes, int(d["bt_off"]), (r, m),
@@ -131,7 +131,8 @@ def main(args: WorkerArgs) -> None:
             if int(d["job"]) != job:
                 raise RuntimeError(f"slot {job % lay.depth} holds job {int(d['job'])}, "
                                    f"expected job {job}")
-            if not _wait_ready(flags, ctl.ready_index(job), job, args.spin_s,
+            ready = int(d["ready_job"])
+            if not _wait_ready(flags, ctl.ready_index(ready), ready, args.spin_s,
                                args.ready_timeout_s):
                 raise TimeoutError(f"the rows of job {job} were not ready within "
                                    f"{args.ready_timeout_s} s")
@@ -139,6 +140,7 @@ def main(args: WorkerArgs) -> None:
         except Exception as exc:  # told to the engine, which raises it
             ctl.set_message(args.index, f"{type(exc).__name__}: {exc}")
             flags[lay.error0 + args.index] = job
+            flags[ctl.failed_index(job)] = job
         notify = bool(d["notify"])  # read before DONE: the slot may be reused after it
         flags[lay.done0 + args.index] = job
         if notify:
