@@ -15,7 +15,10 @@
 //                          not the host, waits for the CPU result. With a
 //                          timeout it gives up and stores `value` into
 //                          flags[timeout_index], so a dead CPU worker stalls
-//                          the stream for at most that long and says so.
+//                          the stream for at most that long and says so; a
+//                          wait that finds flags[timeout_index] already set
+//                          returns at once (the later waits queued behind a
+//                          dead worker cost nothing more).
 //
 // The result comes back with an ordinary asynchronous host-to-device copy
 // enqueued after the wait (worker/cpu_lora/pool.py): the stream orders it.
@@ -47,10 +50,12 @@ __global__ void set_flag_kernel(long long* flag, long long value) {
 __global__ void wait_flags_kernel(const long long* flags, int count, long long value,
                                   unsigned long long timeout_ns, long long* timed_out) {
   const volatile long long* f = flags;
+  const volatile long long* gave_up = timed_out;
   const unsigned long long start = global_ns();
   unsigned sleep_ns = 64;
   for (int i = 0; i < count; ++i) {
     while (f[i] < value) {
+      if (gave_up != nullptr && *gave_up != 0) return;  // an earlier wait gave up
       // Signed: a timer read earlier than `start` (not monotonic under
       // some virtualised GPUs?) must not look like a wrapped-around age.
       const long long age = static_cast<long long>(global_ns() - start);

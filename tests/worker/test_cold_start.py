@@ -267,8 +267,7 @@ def test_cpu_assist_equals_block_with_every_group_on_the_cpu(assisted):
     # Written once the forward pass is over; the next step (decode) shows
     # the rows and the kernels serve it.
     step.cold.end_forward()
-    step.cold.collect()
-    assert not step.failed
+    assert step.cold.collect() == [] and not step.failed
     assert all(step.cold_pages_written(layer) for layer in range(LAYERS))
     step.cold.begin_step()
     assert not step.cold.force_eager
@@ -371,9 +370,9 @@ class FailsFor(CpuWorkerPool):
 
 def test_a_failed_sync_free_job_fails_its_adapter_alone_at_collect(tmp_path):
     """On the sync-free path a job's failure is known once the host has
-    synchronised with the stream: nothing fails during the forward pass,
-    and `collect` (with the step's report) fails cold2 alone; cold's rows
-    equal block's, and cold2's slot is not shown in the next step."""
+    synchronised with the stream: nothing fails during the forward pass;
+    `collect` (with the step's report) names cold2 alone, and the next
+    `begin_step` fails it and clears its slot. cold's rows equal block's."""
     chunks = SharedChunks(pinned=False)
     adapters = make_adapters(tmp_path, shared_alloc(chunks))
     pool = worker_pool(chunks, FailsFor)
@@ -386,12 +385,13 @@ def test_a_failed_sync_free_job_fails_its_adapter_alone_at_collect(tmp_path):
         assert_layers_equal_block(step, but=11)
         assert not step.failed
         step.cold.end_forward()
-        step.cold.collect()
-        assert list(step.failed) == [11]
+        ((load, why),) = step.cold.collect()
+        assert load.lora_request.lora_int_id == 11 and not step.failed
         assert re.search(r"CPU-assisted delta failed: AssistError: CPU LoRA worker 0 failed "
-                         r"job \d+: ValueError", step.failed[11]), step.failed[11]
+                         r"job \d+: ValueError", why), why
         assert step.cold.assisted_groups == 2 * (LAYERS // GROUP)
         step.cold.begin_step()
+        assert step.failed == {11: why}
         assert 11 not in step.grouped.slot_of and 10 in step.grouped.slot_of
         assert step.cold.assist_workers == 1  # the workers go on
     finally:
@@ -409,7 +409,8 @@ def test_cpu_worker_processes_compute_the_deltas_and_a_dead_one_hands_over(tmp_p
     the worker count drops to 0. Synchronous (`delta`, where the op is
     missing on a GPU): the delta that finds it dead runs on the threads too,
     and no adapter fails. Sync-free: the batch in flight waits out the
-    timeout and is not valid, so `collect` fails both adapters."""
+    timeout and is not valid, so `collect` names both adapters and the next
+    step fails them."""
     if path == "synchronous":
         monkeypatch.setattr(cold_mod, "enqueues", lambda assist, device: False)
     chunks = SharedChunks(pinned=False)
@@ -434,10 +435,12 @@ def test_cpu_worker_processes_compute_the_deltas_and_a_dead_one_hands_over(tmp_p
         assert step.cold.assisted_groups == 2 * (LAYERS // GROUP)
         assert step.cold.assist_workers == 0 and type(step.cold.assist) is CpuAssist
         step.cold.end_forward()
-        step.cold.collect()
+        collected = step.cold.collect()
+        step.cold.begin_step()
         if path == "synchronous":
-            assert not step.failed
+            assert not collected and not step.failed
         else:
+            assert sorted(load.lora_request.lora_int_id for load, _ in collected) == [10, 11]
             assert sorted(step.failed) == [10, 11]
             assert all("stopped waiting for CPU LoRA job" in why for why in step.failed.values())
     finally:

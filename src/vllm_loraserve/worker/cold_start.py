@@ -27,8 +27,11 @@ group by layer group (`cold_start_group_layers` layers each):
     adapter are one `CpuWorkerPool.enqueue` batch on the stream, and the
     host never waits for the device. A job's failure is known only once
     the host has synchronised with the stream: `collect`, called with the
-    step's report (after its output reached the host), fails the adapters
-    whose jobs failed, so their requests' outputs of that step are dropped;
+    step's report (after its output reached the host), puts the adapters
+    whose jobs failed in that report, so their requests' outputs of that
+    step are dropped, and the next `begin_step` clears their slots. A pool
+    that broke is abandoned (its queued device waits released, see
+    `CpuWorkerPool.abandon`) and closed once the stream has passed them;
   - synchronous (worker/assist.py on this process's threads, or the
     workers' `delta` where the op is missing on a GPU, logged at start-up):
     x is copied to the host, which waits for the device.
@@ -75,6 +78,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -186,6 +190,12 @@ class ColdStart:
         self._unchecked: deque[tuple[torch.cuda.Event | None, CpuWorkerPool,
                                      list[_Cold]]] = deque()
         self._jobs_pool: CpuWorkerPool | None = None  # the pool of this step's jobs
+        # What `collect` found, for the next begin_step: failed adapters, a broken pool.
+        self._collected_lock = threading.Lock()
+        self._collected: list[tuple[_Cold, str]] = []
+        self._broken: tuple[CpuWorkerPool, WorkerFailure] | None = None
+        # Abandoned pools, closed once the stream passed this event (after their batches).
+        self._retired: deque[tuple[torch.cuda.Event, CpuWorkerPool]] = deque()
         # This step: groups in flight; assisted adapters; each group's
         # choice (True: GPU kernels, False: CPU deltas); rows shown again.
         self._pending = False
@@ -218,7 +228,11 @@ class ColdStart:
             x = torch.zeros(WARM_ROWS, m.in_features, dtype=dtype, device=self.device)
             y = torch.zeros(WARM_ROWS, sum(m.out_features), dtype=dtype, device=self.device)
             xs = x.index_select(0, rows) if self.enqueues else self._rows_to_host(x, rows)
-            self._add_delta(y, rows, torch.zeros(xs.shape[0], y.shape[1], device=xs.device))
+            out = torch.zeros(xs.shape[0], y.shape[1], device=xs.device)
+            if self.enqueues:  # enqueue's copy into a slice's columns (strided)
+                n = m.out_features[0]
+                out[:, :n].copy_(torch.zeros(xs.shape[0] * n, device=xs.device).view(-1, n))
+            self._add_delta(y, rows, out)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -227,13 +241,19 @@ class ColdStart:
         """The last step's group writes are in place (the main stream waits
         for them) and its assisted adapters are visible to the kernels."""
         self.lane.drain()
+        self._apply_collected()
         for c in self._assisted:
-            resident = self.pool.slots.get(c.load.slot)
-            if not c.failed and resident is not None and \
-                    resident.lora_id == c.load.lora_request.lora_int_id and not self._switched:
+            if not c.failed and self._holds(c) and not self._switched:
                 self.pool.show(c.load.slot)
         self._pending, self._assisted, self._on_gpu, self._switched = False, [], {}, False
+        while self._retired and self._retired[0][0].query():
+            self._retired.popleft()[1].close()
         self.flags.check()
+
+    def _holds(self, c: _Cold) -> bool:
+        """Whether `c`'s slot still holds its adapter."""
+        resident = self.pool.slots.get(c.load.slot)
+        return resident is not None and resident.lora_id == c.load.lora_request.lora_int_id
 
     def end_forward(self) -> None:
         """The forward pass is queued: the host lane writes the rest now, and
@@ -247,32 +267,47 @@ class ColdStart:
                 event.record()
             self._unchecked.append((event, self._jobs_pool, colds))
 
-    def collect(self) -> None:
-        """With a step's report, its output on the host: fail the adapters
-        whose sync-free deltas failed in that step (the oldest step not
-        collected; later ones too where their forward pass is over). The
-        event's wait returns at once: the output's copy waited for it."""
-        first = True
+    def collect(self) -> list[tuple[PageLoad, str]]:
+        """With a step's report (its output is on the host; vLLM may build
+        it on its output thread): the loads whose sync-free deltas failed,
+        in each step whose forward pass is over (an event query, no wait;
+        the reported step's is over: its output's copy came after it), for
+        the report. Nothing here touches the pool or the slots: the next
+        `begin_step`, on the engine's thread, fails those adapters (and
+        retires broken workers)."""
+        out = []
         while self._unchecked:
             event, pool, colds = self._unchecked[0]
-            if event is not None:
-                if not (first or event.query()):
-                    break
-                event.synchronize()
+            if event is not None and not event.query():
+                break
             self._unchecked.popleft()
-            first = False
             try:
                 pool.check()
-            except WorkerFailure as e:
-                for c in colds:
-                    self._fail_assisted(c, e)
-                if pool is self.assist:
-                    self._workers_failed(e)
-                continue
-            for c in colds:
-                failure = pool.failure(c.jobs)
-                if failure is not None:
-                    self._fail_assisted(c, f"AssistError: {failure}")
+                failed = [(c, f"AssistError: {text}") for c in colds
+                          if (text := pool.failure(c.jobs)) is not None]
+            except WorkerFailure as e:  # none of that step's deltas is valid
+                failed = [(c, f"WorkerFailure: {e}") for c in colds]
+                with self._collected_lock:
+                    self._broken = self._broken or (pool, e)
+            for c, why in failed:
+                reason = f"its CPU-assisted delta failed: {why}"
+                out.append((c.load, reason))
+                with self._collected_lock:
+                    self._collected.append((c, reason))
+        return out
+
+    def _apply_collected(self) -> None:
+        """On the engine's thread: what `collect` found."""
+        with self._collected_lock:
+            collected, self._collected = self._collected, []
+            broken, self._broken = self._broken, None
+        for c, reason in collected:
+            if not c.failed:
+                c.failed, c.data = True, None
+                if self._holds(c):  # its slot may have gone to another adapter since
+                    self._fail(c.load, reason)
+        if broken is not None and broken[0] is self.assist:
+            self._workers_failed(broken[1])
 
     def _fail_assisted(self, c: _Cold, why: Exception | str) -> None:
         """Its rows' delta is incomplete: its requests fail (their outputs
@@ -292,6 +327,11 @@ class ColdStart:
         """Start this step's loads (none ahead) group by group: slots and
         table rows on the main stream now, pages on the lane."""
         self.flags.advance()
+        if self.enqueues:  # a worker that died since: before any of this step's batches
+            try:
+                self.assist.check()
+            except WorkerFailure as e:
+                self._workers_failed(e)
         colds = []
         for load, entry in loads:
             try:
@@ -452,7 +492,14 @@ class ColdStart:
         process's threads, and the report's worker count says 0."""
         logger.error("vllm-loraserve cpu-assist: the CPU LoRA workers failed (%s); deltas run "
                      "on the engine's own threads from now on", e)
-        self.assist.close()
+        pool = self.assist
+        pool.abandon()  # releases the device waits queued on the stream
+        if self.device.type == "cuda":  # their copies still read its segments
+            event = torch.cuda.Event()
+            event.record()
+            self._retired.append((event, pool))
+        else:
+            pool.close()
         self.assist = CpuAssist()
         self.enqueues = False
 

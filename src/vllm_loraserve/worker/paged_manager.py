@@ -228,8 +228,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             CpuPoolConfig(workers=self.cfg.cpu_assist_workers, read_threads=self.cfg.read_threads,
                           gpu_workers=gpus, local_rank=(device.index or 0) % gpus,
                           max_in=max(s.in_features for s in layout.slices),
-                          # a batch's results: a module's slices side by side
-                          max_out=max(sum(ms.out_features) for ms in self._module_kinds),
+                          max_out=max(s.out_features for s in layout.slices),
                           max_rank=self.lora_config.max_lora_rank),
             weights=self._shared.segments, pin=device.type == "cuda")
 
@@ -436,11 +435,16 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
     def _fail_load(self, load: PageLoad, reason: str) -> None:
         """One adapter's load failed: the scheduler fails its requests (from
         `failed`), its slot is cleared (its tokens run without LoRA this step)."""
+        self._report_failure(load, reason)
+        self.pool.evict(load.slot)
+
+    def _report_failure(self, load: PageLoad, reason: str) -> None:
+        """The report's part of `_fail_load` (thread-safe: the report may be
+        built on vLLM's output thread)."""
         lr = load.lora_request
         if self.host.fail(lr.lora_int_id, reason):
             logger.error("vllm-loraserve: adapter %s (id %d) cannot be loaded: %s",
                          lr.lora_name, lr.lora_int_id, reason)
-        self.pool.evict(load.slot)
 
     def _cold_loaded(self, load: PageLoad, seconds: float) -> None:
         """A load by layer groups wrote its last group (`seconds`: host time
@@ -459,7 +463,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
     def report(self) -> PoolReport:
         """The step's report (worker/hooks.py: its output is on the host by now)."""
         if self.cold is not None:  # sync-free CPU deltas that failed fail their adapters
-            self.cold.collect()
+            for load, reason in self.cold.collect():
+                self._report_failure(load, reason)
         return self.host.report()
 
     # -- the model runner's interface -------------------------------------------

@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from vllm_loraserve.paging.layout import LayerLayout, SliceSpec, pack_layer, read_layer
+from vllm_loraserve.worker import assist_ops
 from vllm_loraserve.worker.arena import PinnedArena
+from vllm_loraserve.worker.cpu_lora.control import TIMED_OUT
 from vllm_loraserve.worker.cpu_lora.pool import (
     AssistError,
     Block,
@@ -232,6 +234,56 @@ def test_enqueue_batches_blocks_over_shared_rows(pool, arena):
     with pytest.raises(ValueError, match="do not fit"):
         pool.enqueue(x, [Block(0, 231, 0, blocks[0].a, blocks[0].bt, 1.0)], out)
     assert pool.stats.jobs - jobs_before == 9  # refused before anything was posted
+
+
+def test_results_wider_than_max_out_go_in_fewer_rows_per_batch(pool, arena):
+    """out 640 wide (a fused module's two 320-wide slices) against max_out
+    320: 48 rows a batch, not 96, so the results fit the io segment."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(100, 64, generator=g)
+    blocks = [Block(0, 100, col, _in_arena(arena[0], torch.randn(4, 64, generator=g)),
+                    _in_arena(arena[0], torch.randn(4, 320, generator=g)), 1.0)
+              for col in (0, 320)]
+    out = torch.zeros(100, 640)
+    jobs = pool.enqueue(x, blocks, out)
+    assert [len(j) for j in jobs] == [3, 3]  # rows 0-48, 48-96, 96-100
+    for b in blocks:
+        torch.testing.assert_close(out[:, b.col:b.col + 320], reference(x, b.a, b.bt, 1.0),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_abandon_releases_queued_waits_and_keeps_the_segments():
+    """A job whose rows never come (a device that died, say): `abandon` kills
+    the workers and releases the DONE flags, so a wait queued behind it
+    returns at once; the pool stays broken, its segments readable until
+    close()."""
+    pool = CpuWorkerPool(CpuPoolConfig(**SMALL, timeout_s=60.0))
+    a, bt = torch.randn(4, 64), torch.randn(4, 64)
+    job = pool.post(8, torch.float32, a, bt, 1.0, torch.float32, host_ready=False,
+                    notify=False, stage=True)
+    pids = pool.pids
+    pool.abandon()
+    assert all(_gone(pid) for pid in pids)
+    t0 = time.monotonic()
+    assist_ops.HostOps.wait_host_flag(pool.flags, pool.layout.done0, job, len(pool.cores),
+                                      int(60e9), TIMED_OUT)
+    assert time.monotonic() - t0 < 1.0
+    assert pool.y_view(8, 64, torch.float32).shape == (8, 64)  # still mapped
+    with pytest.raises(WorkerFailure):
+        pool.check()
+    pool.close()
+
+
+def test_host_waits_return_at_once_after_an_earlier_one_gave_up():
+    """As the GPU's wait kernel: once a wait has timed out (the TIMED_OUT
+    flag is set), later waits on flags that will never come return at once."""
+    flags = torch.zeros(8, dtype=torch.int64)
+    t0 = time.monotonic()
+    assist_ops.HostOps.wait_host_flag(flags, 2, 1, 2, int(0.2e9), 1)
+    assert 0.2 <= time.monotonic() - t0 < 2.0 and flags[1] == 1
+    t0 = time.monotonic()
+    assist_ops.HostOps.wait_host_flag(flags, 4, 7, 1, int(30e9), 1)
+    assert time.monotonic() - t0 < 0.5
 
 
 def _post_failing(pool, a, bt, n=30):

@@ -57,6 +57,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -82,6 +83,7 @@ logger = logging.getLogger(f"vllm.{__name__}")
 POLL_S = 0.01  # how long a host wait sleeps before it looks at the workers' health
 STOP_GRACE_S = 2.0  # a worker finishes its job before it sees SHUTDOWN
 LOST_MESSAGE = " (its message gave way to the worker's later failure)"
+RELEASED = 1 << 62  # the DONE flags of an abandoned pool: past any job
 
 
 @dataclass(frozen=True)
@@ -213,9 +215,10 @@ class CpuWorkerPool:
             [self._control_seg, self._io])
         self._weights = list(weights)
         self.stats = PoolStats()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # wait() inside delta() reads failures under it
         self._next_job = 1
-        self._failures: dict[int, str] = {}  # failed jobs whose FAILED slot was reused
+        # Failed jobs whose FAILED slot was reused (the latest `depth` of them).
+        self._failures: OrderedDict[int, str] = OrderedDict()
         self._broken: WorkerFailure | None = None
         self.pinned = pin
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -413,12 +416,13 @@ class CpuWorkerPool:
         stream), as text (one whose worker's message is still there, if
         any); None if none failed."""
         texts = []
-        for job in jobs:
-            text = self._failures.pop(job, None)
-            if text is None and self.ctl.flags[self.ctl.failed_index(job)] == job:
-                text = self._failure_text(job)
-            if text is not None:
-                texts.append(text)
+        with self._lock:  # post() keeps failures
+            for job in jobs:
+                text = self._failures.pop(job, None)
+                if text is None and self.ctl.flags[self.ctl.failed_index(job)] == job:
+                    text = self._failure_text(job)
+                if text is not None:
+                    texts.append(text)
         told = [t for t in texts if not t.endswith(LOST_MESSAGE)]
         return (told or texts or [None])[0]
 
@@ -426,6 +430,8 @@ class CpuWorkerPool:
         """Before `job`'s FAILED slot is reused: keep its failure for `failure`."""
         if self.ctl.flags[self.ctl.failed_index(job)] == job:
             self._failures[job] = self._failure_text(job)
+            if len(self._failures) > self.layout.depth:
+                self._failures.popitem(last=False)
 
     def _failure_text(self, job: int) -> str:
         errors = self.ctl.errors()
@@ -527,23 +533,27 @@ class CpuWorkerPool:
 
     def _plan(self, n: int, k: int, blocks: Sequence[Block], width: int
               ) -> list[tuple[int, int, list[tuple[int, int, int, int]], int]]:
-        """Batches of at most max_rows rows: (first row, end, [(block index, its
-        rows' start, end, results' byte offset)], results' end), checked
-        before any is posted."""
+        """Batches of rows whose results fit the io segment (at most max_rows,
+        fewer where out is wider than max_out): (first row, end, [(block
+        index, its rows' start, end, results' byte offset)], results' end),
+        checked before any is posted."""
         cfg = self.config
-        self._check_shape(min(n, cfg.max_rows), k, 1)
+        rows = max(1, min(cfg.max_rows, cfg.max_rows * cfg.max_out // max(width, 1)))
+        self._check_shape(min(n, rows), k, 1)
         for b in blocks:
             m = b.bt.shape[1]
             if not (0 <= b.start < b.end <= n and 0 <= b.col and b.col + m <= width
-                    and b.a.shape[1] == k):
+                    and b.a.shape[1] == k and b.bt.shape[0] == b.a.shape[0]
+                    and b.a.dtype in DTYPE_CODE and b.bt.dtype in DTYPE_CODE):
                 raise ValueError(f"block rows [{b.start}, {b.end}) cols [{b.col}, {b.col + m}) "
-                                 f"with a {tuple(b.a.shape)} do not fit x [{n}, {k}] -> "
-                                 f"out [{n}, {width}]")
+                                 f"with a {tuple(b.a.shape)} {b.a.dtype}, bt "
+                                 f"{tuple(b.bt.shape)} {b.bt.dtype} do not fit x [{n}, {k}] "
+                                 f"-> out [{n}, {width}]")
             self._check_shape(1, k, m)
             self.in_place(b.a, b.bt)
         batches = []
-        for c0 in range(0, n, cfg.max_rows):
-            c1, y_off, placed = min(n, c0 + cfg.max_rows), self._y_off, []
+        for c0 in range(0, n, rows):
+            c1, y_off, placed = min(n, c0 + rows), self._y_off, []
             for i, b in enumerate(blocks):
                 s, e = max(b.start, c0), min(b.end, c1)
                 if s < e:
@@ -579,6 +589,22 @@ class CpuWorkerPool:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+    def abandon(self) -> None:
+        """After a WorkerFailure, on the engine's thread: kill the workers and
+        release every device wait already queued (their deltas are not
+        valid; `check` keeps raising). The segments stay mapped, and
+        registered with CUDA, until `close()`: call it once the stream has
+        passed those waits, which read and copy them."""
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(STOP_GRACE_S)
+        flags = self.ctl.flags
+        flags[TIMED_OUT] = flags[TIMED_OUT] or self._next_job  # queued waits return at once
+        self.ctl.done()[:] = RELEASED  # no worker is left to write them
+        if self._broken is None:
+            self._broken = WorkerFailure("abandoned after a failure")
 
     def close(self) -> None:
         """Stop the workers and unmap the segments (idempotent)."""
