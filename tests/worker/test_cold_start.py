@@ -399,6 +399,55 @@ def test_a_failed_sync_free_job_fails_its_adapter_alone_at_collect(tmp_path):
         chunks.close()
 
 
+class PendingEvent:
+    """A CUDA event whose step is still on the device: query() False, and
+    a wait on it would stall the host (raises here)."""
+
+    def query(self):
+        return False
+
+    def synchronize(self):
+        raise AssertionError("collect waited for a step still in flight")
+
+
+def test_collect_never_waits_for_a_step_in_flight(on_workers):
+    """Under async scheduling the next step is queued before this one's
+    report: collect takes only the steps whose event has passed, and a
+    later collect takes the rest."""
+    adapters, pool = on_workers
+    step = Step(adapters, "cpu-assist", assist=pool)
+    step.tokens(TOKENS)
+    x, y0 = inputs()
+    step.layer(0, x, y0)
+    step.cold.end_forward()
+    done = step.cold._unchecked.pop()
+    step.cold._unchecked.append((PendingEvent(), *done[1:]))
+    assert step.cold.collect() == [] and len(step.cold._unchecked) == 1
+    step.cold._unchecked[0] = done  # the step's forward pass is over now
+    assert step.cold.collect() == [] and not step.cold._unchecked
+
+
+def test_a_worker_dead_between_steps_is_found_before_any_batch(tmp_path):
+    """The load step checks the workers first: a dead one sends this step's
+    deltas to the engine's threads at once (no batch waits for it, nothing
+    fails)."""
+    chunks = SharedChunks(pinned=False)
+    adapters = make_adapters(tmp_path, shared_alloc(chunks))
+    pool = worker_pool(chunks, timeout_s=60.0)
+    try:
+        os.kill(pool.pids[0], signal.SIGKILL)
+        pool._procs[0].wait(10)
+        step = Step(adapters, "cpu-assist", cold=("cold", "cold2"), assist=pool)
+        assert step.cold.assist_workers == 0 and not step.cold.enqueues
+        step.tokens(TOKENS)
+        assert_layers_equal_block(step, but=-1)
+        step.cold.end_forward()
+        assert step.cold.collect() == [] and not step.failed and pool.stats.jobs == 0
+    finally:
+        pool.close()
+        chunks.close()
+
+
 @pytest.mark.parametrize("path", ["sync-free", "synchronous"])
 def test_cpu_worker_processes_compute_the_deltas_and_a_dead_one_hands_over(tmp_path,
                                                                             monkeypatch, path):

@@ -64,11 +64,11 @@ class HostOps:
     def wait_host_flag(cls, flags: torch.Tensor, index: int, value: int, count: int = 1,
                        timeout_ns: int = 0, timeout_index: int = -1) -> None:
         flat = flags.numpy()
+        if timeout_index >= 0 and flat[timeout_index]:
+            return  # an earlier wait gave up, as the GPU's kernel returns
         waited = flat[index:index + count]
         deadline = time.monotonic() + timeout_ns / 1e9
         while waited.min() < value:
-            if timeout_index >= 0 and flat[timeout_index]:
-                return  # an earlier wait gave up, as the GPU's kernel returns
             if timeout_ns and time.monotonic() > deadline:
                 if timeout_index >= 0:
                     flags[timeout_index] = value

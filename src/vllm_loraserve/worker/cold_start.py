@@ -191,6 +191,7 @@ class ColdStart:
                                      list[_Cold]]] = deque()
         self._jobs_pool: CpuWorkerPool | None = None  # the pool of this step's jobs
         # What `collect` found, for the next begin_step: failed adapters, a broken pool.
+        self._collecting = threading.Lock()  # one collect at a time (two threads report)
         self._collected_lock = threading.Lock()
         self._collected: list[tuple[_Cold, str]] = []
         self._broken: tuple[CpuWorkerPool, WorkerFailure] | None = None
@@ -272,9 +273,14 @@ class ColdStart:
         it on its output thread): the loads whose sync-free deltas failed,
         in each step whose forward pass is over (an event query, no wait;
         the reported step's is over: its output's copy came after it), for
-        the report. Nothing here touches the pool or the slots: the next
-        `begin_step`, on the engine's thread, fails those adapters (and
-        retires broken workers)."""
+        the report. No slot or page changes here: the next `begin_step`, on
+        the engine's thread, fails those adapters (and retires broken
+        workers). vLLM reports an async step's output on its output thread
+        and an empty step's on the engine's, so two may come at once."""
+        with self._collecting:
+            return self._collect()
+
+    def _collect(self) -> list[tuple[PageLoad, str]]:
         out = []
         while self._unchecked:
             event, pool, colds = self._unchecked[0]

@@ -596,12 +596,18 @@ class CpuWorkerPool:
         valid; `check` keeps raising). The segments stay mapped, and
         registered with CUDA, until `close()`: call it once the stream has
         passed those waits, which read and copy them."""
+        flags = self.ctl.flags
+        flags[TIMED_OUT] = flags[TIMED_OUT] or self._next_job  # queued waits return at once
+        alive = []
         for p in self._procs:
             if p.poll() is None:
                 p.kill()
-                p.wait(STOP_GRACE_S)
-        flags = self.ctl.flags
-        flags[TIMED_OUT] = flags[TIMED_OUT] or self._next_job  # queued waits return at once
+                try:
+                    p.wait(STOP_GRACE_S)
+                except subprocess.TimeoutExpired:  # stuck in the kernel: it cannot run on
+                    alive.append(p.pid)
+        if alive:
+            logger.error("loraserve: CPU LoRA workers %s did not exit when killed", alive)
         self.ctl.done()[:] = RELEASED  # no worker is left to write them
         if self._broken is None:
             self._broken = WorkerFailure("abandoned after a failure")
