@@ -150,6 +150,32 @@ def test_weights_in_the_arena_are_read_in_place(pool, arena):
     assert pool.stats.staged_bytes == staged + (r * k + m * r) * 2
 
 
+def test_weights_are_found_in_the_right_segment_among_many():
+    """The segment lookup (a bisect over start addresses): a tensor at the
+    start or the end of each of many segments, passed in reverse order, is
+    read from that segment at its offset; one outside them all is refused."""
+    chunks = SharedChunks(pinned=False)
+    arena = PinnedArena(1 << 16, 8, pinned=False, make_chunk=chunks)
+    weights = chunks.segments[::-1]
+    try:
+        with CpuWorkerPool(CpuPoolConfig(**SMALL), weights=weights) as pool:
+            for chunk in arena.chunks:
+                for off in (0, chunk.numel() - 4 * 64 * 2):
+                    a = chunk[off:off + 4 * 64 * 2].view(torch.bfloat16).view(4, 64)
+                    loc_a, loc_bt = pool.in_place(a, a[:, :32])
+                    seg = weights[loc_a.seg - 1]
+                    assert seg.address == chunk.data_ptr()
+                    assert (loc_a.off, loc_bt.seg, loc_bt.off) == (off, loc_a.seg, off)
+                    x = torch.randn(5, 64)
+                    torch.testing.assert_close(pool.delta(x, a, a[:, :32], 0.5),
+                                               reference(x, a, a[:, :32], 0.5),
+                                               rtol=1e-5, atol=1e-4)
+            with pytest.raises(ValueError, match="outside"):
+                pool.in_place(torch.randn(4, 64), torch.randn(4, 32))
+    finally:
+        chunks.close()
+
+
 def test_rows_already_in_the_io_segment_are_not_copied(pool):
     g = torch.Generator().manual_seed(6)
     a, bt = torch.randn(4, 64, generator=g), torch.randn(4, 32, generator=g)

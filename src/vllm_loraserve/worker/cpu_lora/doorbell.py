@@ -2,12 +2,11 @@
 
 The engine rings a worker's bell once per job (a batch's rings in one
 write) and each worker rings the engine's when a job it was told to report
-is done; a waiter sleeps in the
-kernel until a ring or its timeout. An eventfd is a file descriptor,
-handed to the workers with `pass_fds`, so it needs no
-multiprocessing (which refuses to start children from vLLM's daemonic
-worker processes) and carries no data: rows and jobs go through shared
-memory (control.py).
+is done; a waiter sleeps in the kernel until a ring or its timeout. An
+eventfd is a file descriptor, handed to the workers with `pass_fds`, so it
+needs no multiprocessing (which refuses to start children from vLLM's
+daemonic worker processes) and carries no data: rows and jobs go through
+shared memory (control.py).
 """
 
 from __future__ import annotations

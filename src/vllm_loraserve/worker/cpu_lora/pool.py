@@ -50,6 +50,7 @@ kernel kills with their engine (PR_SET_PDEATHSIG), go with it.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import subprocess
@@ -214,6 +215,9 @@ class CpuWorkerPool:
             self, _stop, self._procs, [*self._go, self._done], self.ctl.flags,
             [self._control_seg, self._io])
         self._weights = list(weights)
+        # Segments by start address (they never overlap): a lookup is one bisect.
+        self._by_address = sorted((w.address, i) for i, w in enumerate(self._weights, start=1))
+        self._starts = [a for a, _ in self._by_address]
         self.stats = PoolStats()
         self._lock = threading.RLock()  # wait() inside delta() reads failures under it
         self._next_job = 1
@@ -294,10 +298,14 @@ class CpuWorkerPool:
             return None
         span = (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) \
             * t.element_size()
-        for i, segment in enumerate(self._weights, start=1):
-            if segment.contains(t.data_ptr(), span):
-                return _Loc(i, t.data_ptr() - segment.address, *t.stride(), DTYPE_CODE[t.dtype])
-        return None
+        j = bisect.bisect_right(self._starts, t.data_ptr()) - 1
+        if j < 0:
+            return None
+        i = self._by_address[j][1]
+        segment = self._weights[i - 1]
+        if not segment.contains(t.data_ptr(), span):
+            return None
+        return _Loc(i, t.data_ptr() - segment.address, *t.stride(), DTYPE_CODE[t.dtype])
 
     def _stage(self, ts: tuple[torch.Tensor, torch.Tensor]) -> list[_Loc]:
         locs, off = [], self._stage_off
@@ -323,7 +331,8 @@ class CpuWorkerPool:
     def post(self, n: int, x_dtype: torch.dtype, a: torch.Tensor, bt: torch.Tensor,
              scaling: float, y_dtype: torch.dtype, *, host_ready: bool, notify: bool,
              stage: bool, x_off: int = 0, y_off: int | None = None,
-             ready_job: int | None = None, ring: bool = True) -> int:
+             ready_job: int | None = None, ring: bool = True,
+             locs: list[_Loc] | None = None) -> int:
         """Post one job over n rows at byte `x_off` of the io segment, its
         results at byte `y_off` (default: the results area's start);
         returns its id. `host_ready`: the rows are in place (else whoever
@@ -331,19 +340,21 @@ class CpuWorkerPool:
         default this job: the GPU's copy_to_host_and_flag). `notify`:
         workers post the done semaphore (host waits). `stage`: copy weights
         outside `weights` into the io segment (one job in flight). `ring`:
-        ring the workers now (else the caller rings once per batch)."""
+        ring the workers now (else the caller rings once per batch). `locs`:
+        where a and bt lie, from `in_place` (else looked up here)."""
         rank, k = a.shape
         m = bt.shape[1]
         if bt.shape[0] != rank or x_dtype not in DTYPE_CODE or y_dtype not in DTYPE_CODE:
             raise ValueError(f"a {tuple(a.shape)} and bt {tuple(bt.shape)} must share the rank; "
                              f"x and y dtypes must be among {list(DTYPE_CODE)}")
         self._check_shape(n, k, m)
-        try:
-            locs = self.in_place(a, bt)
-        except ValueError:
-            if not stage:
-                raise
-            locs = self._stage((a, bt))
+        if locs is None:
+            try:
+                locs = self.in_place(a, bt)
+            except ValueError:
+                if not stage:
+                    raise
+                locs = self._stage((a, bt))
         job = self._next_job
         if job > self.layout.depth:  # the slot's previous job must be done
             self._await(job - self.layout.depth)
@@ -499,7 +510,7 @@ class CpuWorkerPool:
                 and out.dtype == torch.float32 and out.device == x.device):
             raise ValueError(f"x {tuple(x.shape)} (contiguous) and out {tuple(out.shape)} "
                              f"float32 on {x.device} do not match")
-        batches = self._plan(n, k, blocks, out.shape[1])
+        batches, locs = self._plan(n, k, blocks, out.shape[1])
         timeout_ns = int(self.config.timeout_s * 1e9)
         jobs: list[list[int]] = [[] for _ in blocks]
         last = 0
@@ -516,7 +527,7 @@ class CpuWorkerPool:
                     last = self.post(
                         e - s, x.dtype, b.a, b.bt, b.scaling, torch.float32, host_ready=False,
                         notify=False, stage=False, x_off=(s - c0) * k * x.element_size(),
-                        y_off=y_off, ready_job=ready, ring=False)
+                        y_off=y_off, ready_job=ready, ring=False, locs=locs[i])
                     jobs[i].append(last)
                 for bell in self._go:
                     bell.ring(len(placed))
@@ -532,11 +543,12 @@ class CpuWorkerPool:
         return jobs
 
     def _plan(self, n: int, k: int, blocks: Sequence[Block], width: int
-              ) -> list[tuple[int, int, list[tuple[int, int, int, int]], int]]:
+              ) -> tuple[list[tuple[int, int, list[tuple[int, int, int, int]], int]],
+                         list[list[_Loc]]]:
         """Batches of rows whose results fit the io segment (at most max_rows,
         fewer where out is wider than max_out): (first row, end, [(block
         index, its rows' start, end, results' byte offset)], results' end),
-        checked before any is posted."""
+        checked before any is posted; and where each block's weights lie."""
         cfg = self.config
         rows = max(1, min(cfg.max_rows, cfg.max_rows * cfg.max_out // max(width, 1)))
         self._check_shape(min(n, rows), k, 1)
@@ -550,7 +562,7 @@ class CpuWorkerPool:
                                  f"{tuple(b.bt.shape)} {b.bt.dtype} do not fit x [{n}, {k}] "
                                  f"-> out [{n}, {width}]")
             self._check_shape(1, k, m)
-            self.in_place(b.a, b.bt)
+        locs = [self.in_place(b.a, b.bt) for b in blocks]
         batches = []
         for c0 in range(0, n, rows):
             c1, y_off, placed = min(n, c0 + rows), self._y_off, []
@@ -569,7 +581,7 @@ class CpuWorkerPool:
         if jobs > self.layout.depth:
             raise ValueError(f"{jobs} jobs in one call exceed the ring's depth "
                              f"{self.layout.depth}")
-        return batches
+        return batches, locs
 
     def warm_up(self, device: torch.device) -> None:
         """On CUDA: launch the op's kernels and the copies once, on flags
