@@ -7,17 +7,23 @@ cpu-assist layer really finds its group not landed.
 
 spec: as vllm_generate.py, plus "delay_cycles". Where $LORASERVE_RESULTS_DIR
 is set, a probe of each load step goes to slow_side-<pid>.jsonl there: the
-host seconds of `ColdStart.load` and of its slowest group write, and
+host seconds of `ColdStart.load` and of its slowest group write,
 whether group 0 had landed when layer 0 asked (a host wait inside the load
-lets the held-back groups land before the forward pass reaches them).
+lets the held-back groups land before the forward pass reaches them), and
+the engine thread's stack SAMPLE_S after the load if layer 0 had not asked
+by then (where the host waits).
 """
 
 import functools
 import json
 import os
 import sys
+import threading
 import time
+import traceback
 
+# When the engine's thread's stack is sampled after a load, if layer 0 has not asked yet.
+SAMPLE_S = 0.2
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "e2e"))
 
 
@@ -35,6 +41,13 @@ def _probe(cold_start, out_dir: str) -> None:
         load(self, loads)
         step["load_s"] = time.perf_counter() - t0
         step["loaded_at"] = time.perf_counter()
+        threading.Timer(SAMPLE_S, sample, (threading.get_ident(), step["loaded_at"])).start()
+
+    def sample(ident, loaded_at):
+        # Where the engine's thread is, if it has not reached layer 0 yet.
+        if step.get("loaded_at") == loaded_at:
+            frame = sys._current_frames().get(ident)
+            step["stack_after_load"] = traceback.format_stack(frame)[-30:] if frame else None
 
     def timed_write(self, cold, g):
         t0 = time.perf_counter()
@@ -59,11 +72,17 @@ def _probe(cold_start, out_dir: str) -> None:
 
     from vllm_loraserve.worker.paged_manager import PagedWorkerLoRAManager
 
+    seen: set[int] = set()
+
     def marked(cls, name):
         fn = getattr(cls, name)
 
         @functools.wraps(fn)  # the plugin's compat check reads the signature
         def wrapper(*a, **kw):
+            if name == "_update_states":  # a step's token count: new to this process?
+                n = a[1].total_num_scheduled_tokens
+                step["tokens"], step["tokens_seen_before"] = n, n in seen
+                seen.add(n)
             if "loaded_at" in step:
                 step.setdefault("marks", []).append(
                     (name, round(time.perf_counter() - step["loaded_at"], 4)))

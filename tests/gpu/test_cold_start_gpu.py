@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -233,21 +234,32 @@ def test_sync_free_cpu_assist_equals_block_without_a_host_sync(tmp_path):
                                        max_out=192, max_rank=32, timeout_s=30.0),
                          weights=chunks.segments, pin=True)
     try:
-        step = GpuStep(adapters, "cpu-assist", assist=pool)
-        assert step.cold.enqueues, "the sync-free path must be on: the op and pinned segments"
-        step.start_cold(hold=True)
-        n = len(TOKENS)
-        x, y0 = inputs(n)
-        step.tokens(TOKENS)
-        got, want = fresh(y0), fresh(y0)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            with record_function("layers"):
-                run_layers(step.grouped, x, got)
-        run_layers(step.block, x, want)
-        torch.cuda.synchronize()
-        assert_equal_outputs(got, want)
-        assert step.cold.assisted_groups == len(layer_groups(LAYERS, GROUP))
+        # Twice: the first round launches every kernel of the step once. CUDA
+        # loads a kernel at its first launch, and that load waits for the
+        # whole device, the held side stream included (probe_side_stream.py),
+        # so the first round's groups may all have landed by the first layer.
+        rounds = []
+        for _ in range(2):
+            step = GpuStep(adapters, "cpu-assist", assist=pool)
+            assert step.cold.enqueues, "the sync-free path must be on: the op and pinned segments"
+            marks = [("start", time.perf_counter())]
+            step.start_cold(hold=True)
+            n = len(TOKENS)
+            x, y0 = inputs(n)
+            step.tokens(TOKENS)
+            got, want = fresh(y0), fresh(y0)
+            marks.append(("inputs", time.perf_counter()))
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                with record_function("layers"):
+                    run_layers(step.grouped, x, got)
+            marks.append(("layers", time.perf_counter()))
+            run_layers(step.block, x, want)
+            torch.cuda.synchronize()
+            assert_equal_outputs(got, want)
+            # Host seconds to each mark: a wait for the held side stream shows here.
+            rounds.append((step.cold.assisted_groups,
+                           [(k, round(t - marks[0][1], 3)) for k, t in marks]))
+        assert step.cold.assisted_groups == len(layer_groups(LAYERS, GROUP)), rounds
         step.cold.end_forward()
         torch.cuda.synchronize()  # the step's event has passed: collect takes it
         assert step.cold.collect() == [] and not step.cold._unchecked and not step.failed
@@ -264,8 +276,10 @@ def test_sync_free_cpu_assist_equals_block_without_a_host_sync(tmp_path):
 
 
 # -- end to end ------------------------------------------------------------
-# No prefix caching: the warm round's first step must have the measured
-# round's token count (and so launch the same kernels).
+# No prefix caching, so that a warm-round step holding the same requests as a
+# measured one has its token count (and launches the same kernels). The rounds'
+# steps need not hold the same requests: on 2026-11-26 the warm round ran as
+# one step of 1652 tokens and the measured round as 1433 + 244 (cold-start.md).
 ENGINE = {"max_loras": 1, "max_lora_rank": 128, "max_num_seqs": 64,
           "gpu_memory_utilization": 0.5, "jit_monitor_mode": "error",
           "enable_prefix_caching": False}
