@@ -15,7 +15,10 @@ thread with one intra-op thread as on a reader (host_tier.py):
 - `read_check_cold` / `read_check_warm`: the reader's whole call;
 - `previous`: what the API server did before, a second read of the file
   (safetensors `load_file`) with `isfinite(t).all()` and `t.abs().max()`
-  per tensor.
+  per tensor;
+- `read_check_parts_cold` / `read_check_parts_warm`: the reader's whole call
+  split into pieces of `PART_BYTES` over `--parts` threads, as
+  worker/paged_manager.py reads (its `read_threads`, 4 by default).
 
 Rates are the file data's bytes over the median time of `--reps` runs;
 adapters/s is files over the summed medians.
@@ -32,10 +35,12 @@ import os
 import platform
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from vllm_loraserve.adapters.peft import (
+    PART_BYTES,
     SAFETENSORS_FILE,
     _read_tensors,
     check_weight_values,
@@ -98,7 +103,7 @@ def timed(fn, reps: int, before=None) -> float:
     return statistics.median(times)
 
 
-def measure(path: str, reps: int) -> dict:
+def measure(path: str, reps: int, parts: ThreadPoolExecutor) -> dict:
     spec, raw = read_weights(path, alloc)
     nbytes = raw.data.numel()
 
@@ -115,6 +120,10 @@ def measure(path: str, reps: int) -> dict:
         "read_check_cold": timed(lambda: read_weights(path, alloc, BF16_MAX), reps, cold),
         "read_check_warm": timed(lambda: read_weights(path, alloc, BF16_MAX), reps),
         "previous": timed(lambda: previous_check(path), reps),
+        "read_check_parts_cold": timed(lambda: read_weights(path, alloc, BF16_MAX, parts),
+                                       reps, cold),
+        "read_check_parts_warm": timed(lambda: read_weights(path, alloc, BF16_MAX, parts),
+                                       reps),
     }
     return {"adapter": os.path.basename(path), "rank": spec.rank, "bytes": nbytes,
             "seconds": seconds,
@@ -134,12 +143,16 @@ def main() -> None:
     ap.add_argument("--ranks", default="16,32,64,16,32,64")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="check_rate.json")
+    ap.add_argument("--parts", type=int, default=4,
+                    help="threads of the split read (the plugin: --loraserve-read-threads)")
     args = ap.parse_args()
     torch.set_num_threads(1)  # as on the host tier's readers
     paths = make(args.root, [int(r) for r in args.ranks.split(",")])
     for p in paths:
         inspect_adapter(p)
-    rows = [measure(p, args.reps) for p in paths]
+    with ThreadPoolExecutor(args.parts, initializer=torch.set_num_threads,
+                            initargs=(1,)) as parts:
+        rows = [measure(p, args.reps, parts) for p in paths]
     total = sum(r["bytes"] for r in rows)
     summary = {k: {"gb_per_s": total / sum(r["seconds"][k] for r in rows) / 1e9,
                    "adapters_per_s": len(rows) / sum(r["seconds"][k] for r in rows)}
@@ -148,9 +161,10 @@ def main() -> None:
            "cpu_count": os.cpu_count(), "torch": torch.__version__,
            "torch_threads": torch.get_num_threads(), "shape": {
                "hidden": H, "layers": LAYERS, "modules": MODULES, "dtype": "bf16"},
-           "reps": args.reps, "adapters": rows, "summary": summary}
-    print(f"{len(rows)} adapters, {total / 1e6:.0f} MB of tensor data, 1 thread, "
-          f"median of {args.reps}")
+           "reps": args.reps, "parts_threads": args.parts, "part_bytes": PART_BYTES,
+           "adapters": rows, "summary": summary}
+    print(f"{len(rows)} adapters, {total / 1e6:.0f} MB of tensor data, 1 thread "
+          f"(parts: {args.parts} more), median of {args.reps}")
     print(f"{'':18} {'GB/s':>8} {'adapters/s':>11}")
     for k, v in summary.items():
         print(f"{k:18} {v['gb_per_s']:8.2f} {v['adapters_per_s']:11.1f}")

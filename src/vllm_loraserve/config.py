@@ -80,8 +80,9 @@ class LoraServeConfig:
     read_threads: int = _opt(
         4,
         "Threads per worker that read adapters from disk into the host tier "
-        "(prefetch for the waiting queue). Requests whose adapter is still "
-        "being read wait in the queue; the batch does not.",
+        "(prefetch for the waiting queue), and as many again that split each "
+        "adapter's read and value check into pieces. Requests whose adapter "
+        "is still being read wait in the queue; the batch does not.",
         flag="--loraserve-read-threads",
     )
     max_slots: int = _opt(

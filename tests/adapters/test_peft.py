@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
+from vllm_loraserve.adapters import peft
 from vllm_loraserve.adapters.peft import (
     AdapterError,
     BadWeights,
@@ -63,8 +67,24 @@ def _alloc(n):
     return torch.empty(n, dtype=torch.uint8)
 
 
+@pytest.fixture(scope="module")
+def executor():
+    with ThreadPoolExecutor(3) as pool:
+        yield pool
+
+
+@pytest.fixture(params=["whole", "parts"])
+def read(request, executor):
+    """read_weights, whole or split over threads in pieces of 64 bytes (the
+    test files' tensors are a few hundred bytes: many pieces, cut inside
+    tensors, and several tensors per check group)."""
+    if request.param == "whole":
+        return read_weights
+    return functools.partial(read_weights, parts=executor, part_bytes=64)
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
-def test_read_weights_holds_the_files_tensors_in_one_buffer(tmp_path, fmt):
+def test_read_weights_holds_the_files_tensors_in_one_buffer(tmp_path, fmt, read):
     """The host tier's read: the same tensors as load_adapter, as views of
     one buffer, in the file's dtype; mixed dtypes (fp32 A with bf16 B puts
     tensors at offsets their dtype does not divide) included."""
@@ -79,7 +99,7 @@ def test_read_weights_holds_the_files_tensors_in_one_buffer(tmp_path, fmt):
         st = os.path.join(path, "adapter_model.safetensors")
         torch.save(load_file(st), os.path.join(path, "adapter_model.bin"))
         os.remove(st)
-    spec, raw = read_weights(path, _alloc)
+    spec, raw = read(path, _alloc)
     assert spec == inspect_adapter(path)
     assert raw.data.dtype == torch.uint8 and raw.data.numel() == spec.size_bytes
     got = raw.tensors()
@@ -92,7 +112,48 @@ def test_read_weights_holds_the_files_tensors_in_one_buffer(tmp_path, fmt):
     assert all(torch.equal(raw.tensors(copy)[m][0], a) for m, (a, _) in weights.items())
 
 
-def test_read_weights_refuses_a_file_that_changed(tmp_path, monkeypatch):
+class _Counting(ThreadPoolExecutor):
+    submitted = 0
+
+    def submit(self, *args, **kwargs):
+        self.submitted += 1
+        return super().submit(*args, **kwargs)
+
+
+def test_a_split_read_spreads_over_the_threads_and_ends_every_piece_before_failing(
+        tmp_path, monkeypatch):
+    """With `parts`, the read and the check are several tasks; a piece whose
+    read fails is an AdapterError only once every other piece has ended (none
+    may still write into a buffer its caller frees)."""
+    path = _write(tmp_path / "a")
+    with _Counting(3) as pool:
+        spec, raw = read_weights(path, _alloc, BF16_MAX, parts=pool, part_bytes=64)
+        pieces = -(-raw.data.numel() // 64)
+        assert pool.submitted == pieces + len(_groups_of(raw, 64)) and pieces > 4
+    ended = []
+    pread = peft._pread_into
+
+    def slow_or_failing(fd, view, start, lo, hi):
+        if lo == 0:
+            raise OSError(5, "Input/output error")
+        time.sleep(0.05)
+        got = pread(fd, view, start, lo, hi)
+        ended.append(lo)
+        return got
+
+    monkeypatch.setattr(peft, "_pread_into", slow_or_failing)
+    with ThreadPoolExecutor(2) as pool:
+        with pytest.raises(AdapterError, match="unreadable: .*Input/output error"):
+            read_weights(path, _alloc, parts=pool, part_bytes=64)
+        assert len(ended) == pieces - 1
+
+
+def _groups_of(raw, part_bytes):
+    sizes = [t.numel() * t.element_size() for ab in raw.tensors().values() for t in ab]
+    return peft._groups(sizes, part_bytes)
+
+
+def test_read_weights_refuses_a_file_that_changed(tmp_path, monkeypatch, read):
     """A file cut short after its header was checked (the engine reads long
     after the API server inspected it) is an AdapterError, not a short buffer."""
     path = _write(tmp_path / "a")
@@ -102,7 +163,7 @@ def test_read_weights_refuses_a_file_that_changed(tmp_path, monkeypatch):
     open(f, "wb").write(data[:len(data) - 8])
     monkeypatch.setattr("vllm_loraserve.adapters.peft.inspect_adapter", lambda p: spec)
     with pytest.raises(AdapterError, match="changed while being read"):
-        read_weights(path, _alloc)
+        read(path, _alloc)
 
 
 def test_load_adapter_refuses_truncated_weights(tmp_path):
@@ -336,12 +397,12 @@ def _break(path, value, kind="lora_B"):
     return key
 
 
-def test_read_weights_checks_the_values_in_the_buffer_it_fills(tmp_path):
+def test_read_weights_checks_the_values_in_the_buffer_it_fills(tmp_path, read):
     """The paged pool's read (`max_value`) refuses what check_finite_weights
     refuses, from the bytes it read: NaN/Inf in A or B, a scaling, or
     scaling * max|B|, beyond the serving dtype."""
     ok = _write(tmp_path / "ok", rank=4, alpha=8)
-    spec, raw = read_weights(ok, _alloc, FP16_MAX)
+    spec, raw = read(ok, _alloc, FP16_MAX)
     assert spec == inspect_adapter(ok) and raw.modules.keys() == DIMS.keys()
     for kind, value in (("lora_A", math.nan), ("lora_B", -math.inf)):
         path = _write(tmp_path / kind, rank=4, alpha=8)
@@ -349,15 +410,15 @@ def test_read_weights_checks_the_values_in_the_buffer_it_fills(tmp_path):
             .removesuffix(f".{kind}.weight")
         with pytest.raises(BadWeights, match=rf"tensor {kind} of {module} holds non-finite "
                            r"values \(NaN or Inf\)"):
-            read_weights(path, _alloc, BF16_MAX)
-        read_weights(path, _alloc)  # no max_value: the bytes only
+            read(path, _alloc, BF16_MAX)
+        read(path, _alloc)  # no max_value: the bytes only
     big = _write(tmp_path / "big", rank=4, alpha=4 * 1.01 * FP16_MAX / _b_max(ok))
-    read_weights(big, _alloc, BF16_MAX)
+    read(big, _alloc, BF16_MAX)
     with pytest.raises(BadWeights, match=r"times the largest \|lora_B\| weight .* above "
                        r"6\.55e\+04.*lora_alpha is too large"):
-        read_weights(big, _alloc, FP16_MAX)
+        read(big, _alloc, FP16_MAX)
     with pytest.raises(BadWeights, match=r"scaling 2\.5e\+29 .* is above 6\.55e\+04"):
-        read_weights(_write(tmp_path / "absurd", rank=4, alpha=1e30), _alloc, FP16_MAX)
+        read(_write(tmp_path / "absurd", rank=4, alpha=1e30), _alloc, FP16_MAX)
 
 
 # adapter_config.json bytes -> what the message says. Every parser failure

@@ -74,11 +74,11 @@ def main() -> None:
     device_streams = paged_manager.PagedWorkerLoRAManager._device_streams
     load, write_group = DevicePool.load, DevicePool.write_group
 
-    def read(path, alloc, *args):
+    def read(path, alloc, *args, **kwargs):
         failing("read", paths.get(path))
         if faults.get(paths.get(path)) == "deleted":
             shutil.rmtree(path)
-        return read_weights(path, alloc, *args)
+        return read_weights(path, alloc, *args, **kwargs)
 
     def pack(self, entry, *args):
         failing("pack", entry.name)

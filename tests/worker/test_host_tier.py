@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -347,8 +348,12 @@ def test_the_values_are_checked_in_the_read_once_on_a_reader(tmp_path, monkeypat
     paths = {0: adapter("ok"), 1: adapter("nan", bad=float("nan")),
              2: adapter("huge", alpha=8e4, bad=10.0), 3: adapter("ok2")}
     fp16_max = torch.finfo(torch.float16).max
+    # As paged_manager reads: each file split over threads of its own, in
+    # pieces of 256 bytes here (the files hold 2 KiB of tensors).
+    parts = ThreadPoolExecutor(2, thread_name_prefix="loraserve-read-part")
     t = HostTier(PinnedArena(64 * ALIGN, 1, pinned=False),
-                 lambda req, alloc: peft.read_weights(req.path, alloc, fp16_max), threads=2)
+                 lambda req, alloc: peft.read_weights(req.path, alloc, fp16_max, parts=parts,
+                                                      part_bytes=256), threads=2)
 
     bytes_read: dict[str, int] = {}
     real_open = open
@@ -381,7 +386,8 @@ def test_the_values_are_checked_in_the_read_once_on_a_reader(tmp_path, monkeypat
 
     def counted_open(path, *a, **kw):
         f = real_open(path, *a, **kw)
-        return Counted(f, path) if str(path).endswith(peft.SAFETENSORS_FILE) else f
+        return (Counted(f, os.path.realpath(path)) if str(path).endswith(peft.SAFETENSORS_FILE)
+                else f)
 
     checked = []
     check = peft.check_weight_values
@@ -390,14 +396,31 @@ def test_the_values_are_checked_in_the_read_once_on_a_reader(tmp_path, monkeypat
         return any(c.data_ptr() <= x.data_ptr() < c.data_ptr() + c.numel()
                    for c in t.arena.chunks)
 
-    def recorded(spec, tensors, max_value):
+    def recorded(spec, tensors, max_value, *args):
         def seen():
             for name, x, is_b in tensors:
                 checked.append((threading.current_thread().name, spec.path, in_arena(x)))
                 yield name, x, is_b
-        return check(spec, seen(), max_value)
+        return check(spec, seen(), max_value, *args)
+
+    maxima_on = set()  # the threads that computed the values' maxima
+    abs_max = peft._abs_max
+
+    def recorded_abs_max(x):
+        maxima_on.add(threading.current_thread().name)
+        return abs_max(x)
+
+    pread = peft._pread_into
+
+    def counted_pread(fd, view, start, lo, hi):  # the data's positional reads
+        n = pread(fd, view, start, lo, hi)
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        bytes_read[path] = bytes_read.get(path, 0) + n
+        return n
 
     monkeypatch.setattr(peft, "open", counted_open, raising=False)
+    monkeypatch.setattr(peft, "_pread_into", counted_pread)
+    monkeypatch.setattr(peft, "_abs_max", recorded_abs_max)
     monkeypatch.setattr(peft, "check_weight_values", recorded)
     monkeypatch.setattr(peft, "_read_tensors", lambda path: pytest.fail(f"{path} read twice"))
     for i, path in paths.items():
@@ -412,12 +435,14 @@ def test_the_values_are_checked_in_the_read_once_on_a_reader(tmp_path, monkeypat
         "serving dtype" in report.failed[2]
     assert not any("could not be read" in r for r in report.failed.values())
     for i, path in paths.items():  # each file's bytes once: its header, then its data
-        st = os.path.join(path, peft.SAFETENSORS_FILE)
+        st = os.path.realpath(os.path.join(path, peft.SAFETENSORS_FILE))
         assert bytes_read[st] == os.path.getsize(st), (i, bytes_read)
     assert checked and all(name.startswith("loraserve-read") and in_tier
                            for name, _, in_tier in checked), checked
     assert {p for _, p, _ in checked} == set(paths.values())
+    assert any(name.startswith("loraserve-read-part") for name in maxima_on)
     t.check()
+    parts.shutdown()
 
 
 def test_a_step_never_reuses_the_memory_of_an_entry_it_took():

@@ -30,6 +30,7 @@ import math
 import os
 import reprlib
 from collections.abc import Collection, Iterable, Mapping
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,10 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8
 # safetensors library bounds it (MAX_HEADER_SIZE), so a length field or a
 # file of gigabytes costs no more than this much memory.
 MAX_CONFIG_BYTES = 16 << 20
+# A piece of an adapter's read and check when they are split over threads:
+# large enough that a task's overhead (~50 us) is noise, small enough that a
+# rank-16 Llama-2-7B adapter (34 MB) spreads over a few threads.
+PART_BYTES = 8 << 20
 MAX_HEADER_BYTES = 100_000_000
 # Values from a file shown in messages: nesting and length cut short.
 _REPR = reprlib.Repr()
@@ -230,6 +235,19 @@ def _read_tensors(path: str) -> dict[str, Any]:
         raise AdapterError(f"the adapter weights in {path} are unreadable: {e}") from None
 
 
+def _groups(sizes: list[int], part_bytes: float) -> list[range]:
+    """Consecutive indices of `sizes` in runs of about `part_bytes`."""
+    out, start, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        total += n
+        if total >= part_bytes:
+            out.append(range(start, i + 1))
+            start, total = i + 1, 0
+    if start < len(sizes) or not out:
+        out.append(range(start, len(sizes)))
+    return out
+
+
 def _abs_max(t: Any) -> float:
     """max|t| in one pass over `t` (`torch.aminmax`, which propagates NaN
     and Inf: nan or inf then); 0 for an empty tensor."""
@@ -244,7 +262,8 @@ def _abs_max(t: Any) -> float:
 
 
 def check_weight_values(spec: PeftSpec, tensors: Iterable[tuple[str, Any, bool]],
-                        max_value: float) -> None:
+                        max_value: float, parts: Executor | None = None,
+                        part_bytes: int = PART_BYTES) -> None:
     """Raise BadWeights naming the first tensor that holds NaN or Inf, or
     saying that the adapter's scaling overflows the serving dtype, whose
     largest finite value is `max_value` (`torch.finfo(dtype).max`): the pool
@@ -254,15 +273,19 @@ def check_weight_values(spec: PeftSpec, tensors: Iterable[tuple[str, Any, bool]]
 
     `tensors`: (how a message names it, the tensor, whether it is a B
     weight). One pass over each tensor's memory (benchmarks/cold_start/
-    check_rate.py measures it)."""
+    check_rate.py measures it); with `parts`, in groups of about
+    `part_bytes` on that executor."""
     scale = f"scaling {spec.scaling:.4g} (lora_alpha {spec.alpha:.4g} / " + \
         (f"sqrt(r={spec.rank}), rsLoRA)" if spec.use_rslora else f"r={spec.rank})")
     if spec.scaling > max_value:
         raise BadWeights(f"{scale} is above {max_value:.4g}, the largest value of the "
                          "serving dtype")
+    tensors = list(tensors)
+    groups = _groups([t.numel() * t.element_size() for _, t, _ in tensors],
+                     part_bytes if parts is not None else math.inf)
+    maxima = _map_all(parts, lambda g: [_abs_max(tensors[i][1]) for i in g], groups)
     max_b = 0.0
-    for name, t, is_b in tensors:
-        m = _abs_max(t)
+    for (name, _, is_b), m in zip(tensors, (m for ms in maxima for m in ms), strict=True):
         if not math.isfinite(m):
             raise BadWeights(f"tensor {name} holds non-finite values (NaN or Inf)")
         if is_b:
@@ -420,14 +443,18 @@ def _safetensors_index(st_path: str, path: str
     return 8 + n, size, index
 
 
-def read_weights(path: str, alloc: Any, max_value: float | None = None
+def read_weights(path: str, alloc: Any, max_value: float | None = None,
+                 parts: Executor | None = None, part_bytes: int = PART_BYTES
                  ) -> tuple[PeftSpec, RawWeights]:
     """An adapter's spec (checked as `inspect_adapter` does) and its tensors
     in one buffer that `alloc(nbytes)` returns (a uint8 tensor, e.g. pinned).
-    A safetensors file's data goes in with one `readinto`; an
+    A safetensors file's data goes in with positional reads; an
     adapter_model.bin is loaded, then copied in. With `max_value`, the
     values are checked too (`check_weight_values`), in that buffer: the files
-    are read once."""
+    are read once. With `parts` (an executor whose tasks submit nothing),
+    the read and the check are split into pieces of about `part_bytes` run
+    on it: one thread reads and checks at ~1.4-1.8 GB/s (an H200 host's
+    /dev/shm, docs/benchmarks/cold-start.md), well below the memory's rate."""
     import torch
 
     dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -438,11 +465,13 @@ def read_weights(path: str, alloc: Any, max_value: float | None = None
         try:
             start, size, index = _safetensors_index(st_path, spec.path)
             data = alloc(size)
-            with open(st_path, "rb") as f:
-                f.seek(start)
-                view, got = memoryview(data.numpy()), 0
-                while got < size and (n := f.readinto(view[got:])):
-                    got += n
+            view = memoryview(data.numpy())
+            fd = os.open(st_path, os.O_RDONLY)
+            try:
+                spans = _spans(size, part_bytes if parts is not None else size)
+                got = sum(_map_all(parts, lambda s: _pread_into(fd, view, start, *s), spans))
+            finally:
+                os.close(fd)
         except OSError as e:
             raise AdapterError(f"{SAFETENSORS_FILE} in {spec.path} is unreadable: {e}") from None
         if got != size:
@@ -472,10 +501,38 @@ def read_weights(path: str, alloc: Any, max_value: float | None = None
         raise AdapterError(f"the adapter weights in {spec.path} changed while being read")
     raw = RawWeights(data, modules)
     if max_value is not None:
-        check_weight_values(spec, ((f"lora_{kind} of {m}", t, kind == "B")
+        check_weight_values(spec, [(f"lora_{kind} of {m}", t, kind == "B")
                                    for m, ab in raw.tensors().items()
-                                   for kind, t in zip("AB", ab, strict=True)), max_value)
+                                   for kind, t in zip("AB", ab, strict=True)], max_value,
+                            parts, part_bytes)
     return spec, raw
+
+
+def _map_all(parts: Executor | None, fn: Any, items: list) -> list:
+    """[fn(x) for x in items], on `parts` if there are several; every task
+    has ended before this returns or raises (the first error, in order):
+    none may still write into a buffer that its caller frees."""
+    if parts is None or len(items) < 2:
+        return [fn(x) for x in items]
+    futures = [parts.submit(fn, x) for x in items]
+    wait(futures)
+    return [f.result() for f in futures]
+
+
+def _spans(size: int, part_bytes: int) -> list[tuple[int, int]]:
+    """[0, size) in pieces of about `part_bytes` (at least one piece)."""
+    n = max(1, min(-(-size // max(part_bytes, 1)), 1024))
+    edges = [size * i // n for i in range(n + 1)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def _pread_into(fd: int, view: memoryview, start: int, lo: int, hi: int) -> int:
+    """The file's bytes [start + lo, start + hi) into view[lo:hi]; how many
+    it held (fewer: the file is shorter than its header says)."""
+    got = lo
+    while got < hi and (n := os.preadv(fd, [view[got:hi]], start + got)):
+        got += n
+    return got - lo
 
 
 @dataclass(frozen=True)
