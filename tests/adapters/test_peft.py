@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -75,12 +76,12 @@ def executor():
 
 @pytest.fixture(params=["whole", "parts"])
 def read(request, executor):
-    """read_weights, whole or split over threads in pieces of 64 bytes (the
-    test files' tensors are a few hundred bytes: many pieces, cut inside
-    tensors, and several tensors per check group)."""
+    """read_weights, whole or split over threads in pieces of 600 bytes (the
+    test files hold 1-2 KB of tensors of 128-512 bytes: several pieces, cut
+    inside tensors, and several tensors per check group)."""
     if request.param == "whole":
         return read_weights
-    return functools.partial(read_weights, parts=executor, part_bytes=64)
+    return functools.partial(read_weights, parts=executor, part_bytes=600)
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
@@ -120,32 +121,53 @@ class _Counting(ThreadPoolExecutor):
         return super().submit(*args, **kwargs)
 
 
-def test_a_split_read_spreads_over_the_threads_and_ends_every_piece_before_failing(
+def test_a_split_read_offers_its_pieces_to_the_threads_and_ends_every_piece_before_failing(
         tmp_path, monkeypatch):
-    """With `parts`, the read and the check are several tasks; a piece whose
-    read fails is an AdapterError only once every other piece has ended (none
-    may still write into a buffer its caller frees)."""
+    """With `parts`, every piece of the read and of the check but the one the
+    caller starts with is offered to the executor; a piece whose read fails
+    is an AdapterError only once every piece that started has ended (none
+    may still write into a buffer its caller frees), and no piece starts
+    after it."""
     path = _write(tmp_path / "a")
     with _Counting(3) as pool:
         spec, raw = read_weights(path, _alloc, BF16_MAX, parts=pool, part_bytes=64)
         pieces = -(-raw.data.numel() // 64)
-        assert pool.submitted == pieces + len(_groups_of(raw, 64)) and pieces > 4
-    ended = []
+        assert pool.submitted == pieces - 1 + len(_groups_of(raw, 64)) - 1 and pieces > 4
+    started, ended = [], []
+    second = threading.Event()
     pread = peft._pread_into
 
-    def slow_or_failing(fd, view, start, lo, hi):
+    def failing_once_another_runs(fd, view, start, lo, hi):
+        started.append(lo)
         if lo == 0:
+            assert second.wait(5)
             raise OSError(5, "Input/output error")
-        time.sleep(0.05)
+        second.set()
+        time.sleep(0.1)
         got = pread(fd, view, start, lo, hi)
         ended.append(lo)
         return got
 
-    monkeypatch.setattr(peft, "_pread_into", slow_or_failing)
+    monkeypatch.setattr(peft, "_pread_into", failing_once_another_runs)
     with ThreadPoolExecutor(2) as pool:
         with pytest.raises(AdapterError, match="unreadable: .*Input/output error"):
             read_weights(path, _alloc, parts=pool, part_bytes=64)
-        assert len(ended) == pieces - 1
+        assert sorted(started) == [0] + sorted(ended) and len(ended) >= 1
+        assert len(started) < pieces
+
+
+def test_a_split_read_goes_on_while_the_executor_is_busy(tmp_path):
+    """Every thread of `parts` is taken (other reads, a hung file): the read
+    runs on its caller's thread, whole, and leaves no task behind."""
+    path = _write(tmp_path / "a")
+    release = threading.Event()
+    with _Counting(1) as pool:
+        busy = pool.submit(release.wait, 30)
+        spec, raw = read_weights(path, _alloc, BF16_MAX, parts=pool, part_bytes=64)
+        assert not busy.done()  # the read did not wait for the busy thread
+        release.set()
+        whole = read_weights(path, _alloc)[1]
+        assert torch.equal(raw.data, whole.data) and pool.submitted > 2
 
 
 def _groups_of(raw, part_bytes):

@@ -327,8 +327,9 @@ class FileReq:
 def test_the_values_are_checked_in_the_read_once_on_a_reader(tmp_path, monkeypatch):
     """The pool's read (adapters/peft.py `read_weights` with the serving
     dtype's range, as worker/paged_manager.py `_read_file` calls it): the
-    NaN/Inf and overflow check runs on the reader thread, over the tier's own
-    buffer, and each weights file's bytes are read once; a refused adapter
+    NaN/Inf and overflow check runs on the reader threads (a reader and the
+    part threads it splits its read over), over the tier's own buffer, and
+    each weights file's bytes are read once; a refused adapter
     fails alone with a reason that says what is wrong with it, and the
     others are read and kept."""
     from vllm_loraserve.adapters import peft
@@ -349,11 +350,12 @@ def test_the_values_are_checked_in_the_read_once_on_a_reader(tmp_path, monkeypat
              2: adapter("huge", alpha=8e4, bad=10.0), 3: adapter("ok2")}
     fp16_max = torch.finfo(torch.float16).max
     # As paged_manager reads: each file split over threads of its own, in
-    # pieces of 256 bytes here (the files hold 2 KiB of tensors).
+    # pieces of 2500 bytes here (the files hold 4 KiB in tensors of 1 KiB:
+    # two pieces, and three tensors in a check group).
     parts = ThreadPoolExecutor(2, thread_name_prefix="loraserve-read-part")
     t = HostTier(PinnedArena(64 * ALIGN, 1, pinned=False),
                  lambda req, alloc: peft.read_weights(req.path, alloc, fp16_max, parts=parts,
-                                                      part_bytes=256), threads=2)
+                                                      part_bytes=2500), threads=2)
 
     bytes_read: dict[str, int] = {}
     real_open = open
@@ -412,10 +414,13 @@ def test_the_values_are_checked_in_the_read_once_on_a_reader(tmp_path, monkeypat
 
     pread = peft._pread_into
 
+    count_lock = threading.Lock()  # part threads count into the same file's entry
+
     def counted_pread(fd, view, start, lo, hi):  # the data's positional reads
         n = pread(fd, view, start, lo, hi)
         path = os.readlink(f"/proc/self/fd/{fd}")
-        bytes_read[path] = bytes_read.get(path, 0) + n
+        with count_lock:
+            bytes_read[path] = bytes_read.get(path, 0) + n
         return n
 
     monkeypatch.setattr(peft, "open", counted_open, raising=False)
@@ -440,7 +445,7 @@ def test_the_values_are_checked_in_the_read_once_on_a_reader(tmp_path, monkeypat
     assert checked and all(name.startswith("loraserve-read") and in_tier
                            for name, _, in_tier in checked), checked
     assert {p for _, p, _ in checked} == set(paths.values())
-    assert any(name.startswith("loraserve-read-part") for name in maxima_on)
+    assert maxima_on and all(name.startswith("loraserve-read") for name in maxima_on)
     t.check()
     parts.shutdown()
 

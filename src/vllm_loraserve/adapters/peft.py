@@ -29,8 +29,9 @@ import json
 import math
 import os
 import reprlib
+import threading
 from collections.abc import Collection, Iterable, Mapping
-from concurrent.futures import Executor, wait
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,7 +237,8 @@ def _read_tensors(path: str) -> dict[str, Any]:
 
 
 def _groups(sizes: list[int], part_bytes: float) -> list[range]:
-    """Consecutive indices of `sizes` in runs of about `part_bytes`."""
+    """Consecutive indices of `sizes` in runs of at least `part_bytes` (the
+    last may be less), each ending at the first index that reaches it."""
     out, start, total = [], 0, 0
     for i, n in enumerate(sizes):
         total += n
@@ -451,10 +453,11 @@ def read_weights(path: str, alloc: Any, max_value: float | None = None,
     A safetensors file's data goes in with positional reads; an
     adapter_model.bin is loaded, then copied in. With `max_value`, the
     values are checked too (`check_weight_values`), in that buffer: the files
-    are read once. With `parts` (an executor whose tasks submit nothing),
-    the read and the check are split into pieces of about `part_bytes` run
-    on it: one thread reads and checks at ~1.4-1.8 GB/s (an H200 host's
-    /dev/shm, docs/benchmarks/cold-start.md), well below the memory's rate."""
+    are read once. With `parts`, the read and the check are split into
+    pieces of about `part_bytes`, run by this thread and tasks on `parts`
+    (`_map_all`): one thread reads and checks at
+    ~1.4-1.8 GB/s (an H200 host's /dev/shm, docs/benchmarks/cold-start.md),
+    well below the memory's rate."""
     import torch
 
     dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -509,18 +512,51 @@ def read_weights(path: str, alloc: Any, max_value: float | None = None,
 
 
 def _map_all(parts: Executor | None, fn: Any, items: list) -> list:
-    """[fn(x) for x in items], on `parts` if there are several; every task
-    has ended before this returns or raises (the first error, in order):
-    none may still write into a buffer that its caller frees."""
+    """[fn(x) for x in items]. With `parts`, this thread and tasks on
+    `parts` take the items in turn: the call goes on on its own thread even
+    when every task of `parts` is busy (other reads, a hung file), and tasks
+    not started when the items run out are cancelled. Every task has ended
+    before this returns or raises (an item's error; after one, no item
+    starts): none may still use a file or a buffer its caller closes or
+    frees."""
     if parts is None or len(items) < 2:
         return [fn(x) for x in items]
-    futures = [parts.submit(fn, x) for x in items]
-    wait(futures)
-    return [f.result() for f in futures]
+    results: list = [None] * len(items)
+    errors: dict[int, Exception] = {}
+    lock = threading.Lock()
+    taken = 0
+
+    def work() -> None:
+        nonlocal taken
+        while True:
+            with lock:
+                if taken >= len(items):
+                    return
+                i, taken = taken, taken + 1
+            try:
+                results[i] = fn(items[i])
+            except Exception as e:
+                with lock:
+                    errors[i], taken = e, len(items)
+
+    helpers: list[Future] = []
+    try:
+        for _ in range(len(items) - 1):
+            helpers.append(parts.submit(work))
+        work()
+    finally:
+        with lock:
+            taken = len(items)  # e.g. submit raised: no task starts another item
+        # A cancelled task never runs, but wait() counts it done only once a
+        # busy executor has dequeued it: wait for the others alone.
+        wait([f for f in helpers if not f.cancel()])
+    if errors:
+        raise errors[min(errors)]
+    return results
 
 
 def _spans(size: int, part_bytes: int) -> list[tuple[int, int]]:
-    """[0, size) in pieces of about `part_bytes` (at least one piece)."""
+    """[0, size) in pieces of about `part_bytes` (at least one, at most 1024)."""
     n = max(1, min(-(-size // max(part_bytes, 1)), 1024))
     edges = [size * i // n for i in range(n + 1)]
     return list(zip(edges[:-1], edges[1:], strict=True))

@@ -152,11 +152,13 @@ def test_weights_in_the_arena_are_read_in_place(pool, arena):
 
 def test_weights_are_found_in_the_right_segment_among_many():
     """The segment lookup (a bisect over start addresses): a tensor at the
-    start or the end of each of many segments, passed in reverse order, is
-    read from that segment at its offset; one outside them all is refused."""
+    start or the end of each of many segments, passed in an order that is
+    neither their addresses' nor its reverse, is read from that segment at
+    its offset; one outside them all is refused."""
     chunks = SharedChunks(pinned=False)
     arena = PinnedArena(1 << 16, 8, pinned=False, make_chunk=chunks)
-    weights = chunks.segments[::-1]
+    by_address = sorted(chunks.segments, key=lambda seg: seg.address)
+    weights = [by_address[i] for i in (3, 0, 6, 1, 7, 2, 5, 4)]
     try:
         with CpuWorkerPool(CpuPoolConfig(**SMALL), weights=weights) as pool:
             for chunk in arena.chunks:
