@@ -10,11 +10,19 @@ submitted in one `generate` call so they share batches. With the plugin on,
 the output also holds the workers' LoRA module table (loraserve_lora_modules)
 and residency report (loraserve_residency). spec "warm_round": true runs the
 same requests once before, under other adapter names (outputs dropped;
-"warm_residency": the residency report after it).
+"warm_residency": the residency report after it), each round's adapters read
+into host memory before it.
 """
 
 import json
 import sys
+
+
+def _read_ahead(llm, loras) -> None:
+    """add_lora for each distinct adapter of `loras`: with the plugin's pool,
+    a read into its host tier (not its device pool)."""
+    for lr in {lr.lora_int_id: lr for lr in loras if lr is not None}.values():
+        llm.llm_engine.add_lora(lr)
 
 
 def main() -> None:
@@ -41,10 +49,17 @@ def main() -> None:
         # every kernel the measured round launches has launched once in this
         # process. CUDA loads a kernel at its first launch, and that load
         # waits for the whole device, side streams included.
+        # Each round's adapters are read into host memory first (add_lora),
+        # so that its steps do not depend on when each read ends: the two
+        # rounds then run the same steps, and so the same token counts. On an
+        # H200 they did not without this (docs/benchmarks/cold-start.md,
+        # session 16: one step of 1652 tokens, then 1433 + 244).
         warm = [None if lr is None else
                 LoRARequest(lr.lora_name + "@warm", lr.lora_int_id + len(ids), lr.lora_path)
                 for lr in loras]
+        _read_ahead(llm, warm)
         llm.generate(prompts, params, lora_request=warm, use_tqdm=False)
+        _read_ahead(llm, loras)
     plugin = "loraserve" in (spec["engine"].get("additional_config") or {})
     # The pool's counters add up over both rounds: the warm round's alone.
     warm_residency = (llm.collective_rpc("loraserve_residency")[0]

@@ -277,9 +277,10 @@ def test_sync_free_cpu_assist_equals_block_without_a_host_sync(tmp_path):
 
 # -- end to end ------------------------------------------------------------
 # No prefix caching, so that a warm-round step holding the same requests as a
-# measured one has its token count (and launches the same kernels). The rounds'
-# steps need not hold the same requests: on 2026-11-26 the warm round ran as
-# one step of 1652 tokens and the measured round as 1433 + 244 (cold-start.md).
+# measured one has its token count (and launches the same kernels). On
+# 2026-11-26 the rounds' steps held different requests (one step of 1652
+# tokens, then 1433 + 244: cold-start.md); vllm_generate.py now reads each
+# round's adapters into host memory before it (not yet run on a GPU).
 ENGINE = {"max_loras": 1, "max_lora_rank": 128, "max_num_seqs": 64,
           "gpu_memory_utilization": 0.5, "jit_monitor_mode": "error",
           "enable_prefix_caching": False}
