@@ -275,8 +275,8 @@ def check_weight_values(spec: PeftSpec, tensors: Iterable[tuple[str, Any, bool]]
 
     `tensors`: (how a message names it, the tensor, whether it is a B
     weight). One pass over each tensor's memory (benchmarks/cold_start/
-    check_rate.py measures it); with `parts`, in groups of about
-    `part_bytes` on that executor."""
+    check_rate.py measures it); with `parts`, in groups of at least
+    `part_bytes` (`_groups`) on that executor."""
     scale = f"scaling {spec.scaling:.4g} (lora_alpha {spec.alpha:.4g} / " + \
         (f"sqrt(r={spec.rank}), rsLoRA)" if spec.use_rslora else f"r={spec.rank})")
     if spec.scaling > max_value:
@@ -455,9 +455,9 @@ def read_weights(path: str, alloc: Any, max_value: float | None = None,
     values are checked too (`check_weight_values`), in that buffer: the files
     are read once. With `parts`, the read and the check are split into
     pieces of about `part_bytes`, run by this thread and tasks on `parts`
-    (`_map_all`): one thread reads and checks at
-    ~1.4-1.8 GB/s (an H200 host's /dev/shm, docs/benchmarks/cold-start.md),
-    well below the memory's rate."""
+    (`_map_all`): one thread reads and checks at ~1.4-1.8 GB/s (an H200
+    host's /dev/shm, docs/benchmarks/cold-start.md), well below the
+    memory's rate."""
     import torch
 
     dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -162,6 +162,13 @@ class _Cold:
     jobs: list[int] = field(default_factory=list)  # its sync-free jobs this step
 
 
+def _assist_failure(why: Exception | str) -> str:
+    """What a failed CPU-assisted delta's adapter is told."""
+    if isinstance(why, Exception):
+        why = f"{type(why).__name__}: {why}"
+    return f"its CPU-assisted delta failed: {why}"
+
+
 class ColdStart:
     """The pool's `LayerGate` for `pipelined` and `cpu-assist` loads.
     `fail(load, reason)` fails one load (its requests, its slot);
@@ -296,10 +303,9 @@ class ColdStart:
                 with self._collected_lock:
                     self._broken = self._broken or (pool, e)
             for c, why in failed:
-                reason = f"its CPU-assisted delta failed: {why}"
-                out.append((c.load, reason))
+                out.append((c.load, _assist_failure(why)))
                 with self._collected_lock:
-                    self._collected.append((c, reason))
+                    self._collected.append((c, why))
         return out
 
     def _apply_collected(self) -> None:
@@ -307,22 +313,19 @@ class ColdStart:
         with self._collected_lock:
             collected, self._collected = self._collected, []
             broken, self._broken = self._broken, None
-        for c, reason in collected:
-            if not c.failed:
-                c.failed, c.data = True, None
-                if self._holds(c):  # its slot may have gone to another adapter since
-                    self._fail(c.load, reason)
+        for c, why in collected:
+            self._fail_assisted(c, why)
         if broken is not None and broken[0] is self.assist:
             self._workers_failed(broken[1])
 
     def _fail_assisted(self, c: _Cold, why: Exception | str) -> None:
         """Its rows' delta is incomplete: its requests fail (their outputs
-        are dropped); the other adapters go on."""
+        are dropped); the other adapters go on. From `collect`, a step
+        later: its slot may hold another adapter by then, which stays."""
         if not c.failed:
             c.failed, c.data = True, None
-            if isinstance(why, Exception):
-                why = f"{type(why).__name__}: {why}"
-            self._fail(c.load, f"its CPU-assisted delta failed: {why}")
+            if self._holds(c):
+                self._fail(c.load, _assist_failure(why))
 
     @property
     def force_eager(self) -> bool:
