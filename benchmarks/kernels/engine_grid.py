@@ -70,12 +70,14 @@ def slices_of(shape: dict, kinds: tuple[str, ...]) -> tuple[SliceSpec, ...]:
 
 
 def build(shape: dict, kinds: tuple[str, ...], mix: str, tokens: int, dev: torch.device,
-          rule: str = "split", chunks: int = 0,
-          chunk_tokens: int = 256) -> tuple[DevicePool, int, int]:
+          rule: str = "split", chunks: int = 0, chunk_tokens: int = 256,
+          layer_gb: float = 0.0) -> tuple[DevicePool, int, int]:
     """A bound pool holding the mix's adapters, its step set to `tokens`
     tokens (`chunks` of them prefill chunks of `chunk_tokens` tokens); the
     bytes of A and B (all layers) of the step's distinct adapters (what its
-    kernels must read at least once); their number."""
+    kernels must read at least once); their number. `layer_gb`: each layer's
+    page tensor at least this large, the adapters' pages scattered over it
+    (as over a KV cache that fills the GPU); 0: just large enough."""
     slices = slices_of(shape, kinds)
     n = MIXES[mix]
     ranks = (int(mix.removeprefix("single-r")),) if mix.startswith("single-r") else shape["ranks"]
@@ -85,7 +87,8 @@ def build(shape: dict, kinds: tuple[str, ...], mix: str, tokens: int, dev: torch
     layout = LayerLayout(slices, shape["page"])
     names = [s.name for s in slices]
     placements = [layout.place(ranks[i % len(ranks)], names) for i in range(n)]
-    total = sum(p.num_pages for p in placements) + 1
+    total = max(sum(p.num_pages for p in placements) + 1,
+                int(layer_gb * 1e9) // (2 * shape["page"]))
     pool.bind([torch.zeros(total, shape["page"], dtype=torch.bfloat16, device=dev)
                for _ in range(LAYERS)])
     free = list(range(1, total))
