@@ -88,12 +88,13 @@ def test_cuda_graph_replays_a_refilled_batch():
     rng, dev = random.Random(3), "cuda"
     layout, pool, slots, n_adapters = _scenario(rng, dev)
     m = ModuleSlices.of(layout, ["q_proj", "k_proj", "v_proj"])
-    buffers = TokenBatchBuffers(max_tokens=256, max_slots=n_adapters, block_m=16, device=dev)
+    buffers = TokenBatchBuffers(max_tokens=256, max_slots=n_adapters, block_m=16,
+                                max_rank=slots.max_rank, device=dev)
     x = torch.randn(256, m.in_features, device=dev).to(torch.bfloat16)
     y = torch.zeros(256, sum(m.out_features), device=dev, dtype=torch.bfloat16)
     h = torch.empty(m.count, 256, 128, device=dev)
     triton_b, torch_b = get_backend("triton"), get_backend("torch")
-    batch = buffers.fill([rng.randrange(n_adapters) for _ in range(256)])
+    batch = buffers.fill([rng.randrange(n_adapters) for _ in range(256)], slots.rank)
 
     def step():
         y.zero_()
@@ -105,7 +106,7 @@ def test_cuda_graph_replays_a_refilled_batch():
     with torch.cuda.graph(graph):
         step()
     later = [rng.choice([0, 5, -1]) for _ in range(256)]  # 2 adapters: fewer blocks
-    replayed = buffers.fill(later)
+    replayed = buffers.fill(later, slots.rank)
     assert replayed.num_blocks < batch.num_blocks
     graph.replay()
     torch.cuda.synchronize()

@@ -1,28 +1,32 @@
 """The step's segment list (TokenBatch blocks): every token with an adapter
 in exactly one block of its own slot, none without, within the bound a CUDA
-graph captured (issue 23: SGLang's csgmv lost segments past a worst case)."""
+graph captured (issue 23: SGLang's csgmv lost segments past a worst case);
+and the shrink's jobs: every rank row of every block in exactly one job,
+within that bound too."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_loraserve.kernels.batch import TokenBatchBuffers
+from vllm_loraserve.kernels.batch import JOB_ROWS, TokenBatchBuffers
 
-MAX_TOKENS, MAX_SLOTS = 600, 24
+MAX_TOKENS, MAX_SLOTS, MAX_RANK = 600, 24, 128
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(-1, MAX_SLOTS - 1), min_size=1, max_size=MAX_TOKENS),
-       st.sampled_from([16, 64]))
-def test_blocks_cover_every_adapter_token_once_within_the_graph_bound(slots, block_m):
-    buffers = TokenBatchBuffers(MAX_TOKENS, MAX_SLOTS, block_m)
-    # As DevicePool._shape bounds a step of this many tokens (what its graph captured).
+       st.sampled_from([16, 64]),
+       st.lists(st.integers(1, MAX_RANK), min_size=MAX_SLOTS, max_size=MAX_SLOTS))
+def test_blocks_cover_every_adapter_token_once_within_the_graph_bound(slots, block_m, ranks):
+    buffers = TokenBatchBuffers(MAX_TOKENS, MAX_SLOTS, block_m, MAX_RANK)
+    # As DevicePool._plan bounds a step of this many tokens (what its graph captured).
     bound = -(-len(slots) // block_m) + min(len(slots), MAX_SLOTS)
-    batch = buffers.fill(slots)
+    batch = buffers.bounded(buffers.fill(slots, ranks), bound)
     n = int(batch.num_blocks_dev[0])
-    assert n == batch.num_blocks <= bound <= buffers.blocks.shape[0]
+    assert n == batch.num_blocks <= bound == batch.max_blocks
     blocks, order = batch.blocks[:n].numpy(), batch.sorted_tokens.numpy()
     covered = []
     for slot, start, length in blocks:
@@ -31,6 +35,19 @@ def test_blocks_cover_every_adapter_token_once_within_the_graph_bound(slots, blo
         assert all(slots[t] == slot for t in tokens)
         covered += tokens.tolist()
     assert sorted(covered) == [t for t, s in enumerate(slots) if s >= 0]
+    # Jobs: each block's rank rows [0, rank) in JOB_ROWS-row jobs, once each.
+    jobs = batch.jobs[:int(batch.num_jobs_dev[0])].numpy()
+    assert len(jobs) <= batch.max_jobs
+    rows = sorted((int(b), int(r0) + i) for b, r0 in jobs for i in range(JOB_ROWS)
+                  if int(r0) + i < ranks[blocks[b][0]])
+    assert rows == [(b, r) for b in range(n) for r in range(ranks[blocks[b][0]])]
+    assert all(r0 % JOB_ROWS == 0 and r0 < ranks[blocks[b][0]] for b, r0 in jobs)
+
+
+def test_a_rank_above_the_buffers_max_is_refused():
+    buffers = TokenBatchBuffers(MAX_TOKENS, MAX_SLOTS, 16, max_rank=32)
+    with pytest.raises(ValueError, match="exceeds the max_rank"):
+        buffers.fill([0, 1], [64, 8])
 
 
 def test_a_full_graph_batch_fits_both_block_heights():
@@ -40,6 +57,6 @@ def test_a_full_graph_batch_fits_both_block_heights():
     for block_m, num_tokens in ((16, MAX_TOKENS), (64, MAX_TOKENS)):
         slots = rng.integers(0, MAX_SLOTS, num_tokens)
         slots[:MAX_SLOTS] = np.arange(MAX_SLOTS)
-        buffers = TokenBatchBuffers(MAX_TOKENS, MAX_SLOTS, block_m)
-        batch = buffers.fill(slots)
+        buffers = TokenBatchBuffers(MAX_TOKENS, MAX_SLOTS, block_m, MAX_RANK)
+        batch = buffers.fill(slots, np.full(MAX_SLOTS, MAX_RANK))
         assert sum(int(b[2]) for b in batch.blocks[:batch.num_blocks]) == num_tokens

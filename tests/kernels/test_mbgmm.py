@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vllm_loraserve.kernels import get_backend, make_batch
-from vllm_loraserve.kernels.batch import ModuleSlices, SlotTable
+from vllm_loraserve.kernels.batch import JOB_ROWS, ModuleSlices, SlotTable
 from vllm_loraserve.kernels.triton_mbgmm import Tiles, TritonBackend
 from vllm_loraserve.paging.layout import LayerLayout, SliceSpec, pack_layer, write_pages
 
@@ -32,6 +32,11 @@ def small_tiles(split_k, shrink_n=16, expand_k=16):
     per block)."""
     return (lambda batch, k: Tiles(block_n=shrink_n, block_k=16, split_k=split_k),
             lambda batch, n: Tiles(block_n=16, block_k=expand_k))
+
+
+def stream_tiles(batch, k):
+    """The stream shrink's tiles for this layout (align 16)."""
+    return Tiles(block_n=JOB_ROWS, block_k=16)
 
 
 def backends():
@@ -137,6 +142,48 @@ def test_kernels_match_dense_math(backend, dtype, seed, num_tokens, block_m):
         assert torch.equal(y[no_adapter], y0[no_adapter])  # bit-for-bit untouched
 
 
+@pytest.mark.parametrize("expand_k", [16, MAX_RANK])
+@pytest.mark.parametrize("seed, num_tokens, block_m", [(7, 1, 16), (7, 9, 16), (8, 37, 16),
+                                                       (9, 40, 32)])
+def test_stream_shrink_over_jobs_matches_dense_math(expand_k, seed, num_tokens, block_m):
+    """With the slots' ranks given, the batch has jobs and the shrink is the
+    stream-K kernel: programs take equal runs of (job, slice, BK columns)
+    units, so pieces split across programs add into h. The same h and y as
+    dense math (the expand reads the zeroed h unmasked)."""
+    sc = Scenario(seed, torch.float32)
+    rng = random.Random(seed + 100)
+    token_slots = sc.token_slots(rng, num_tokens)
+    batch = make_batch(token_slots, block_m=block_m, ranks=sc.slots.rank)
+    assert batch.jobs is not None
+    backend = TritonBackend(*small_tiles(1, expand_k=expand_k), stream_tiles=stream_tiles)
+    g = torch.Generator().manual_seed(seed)
+    for names in MODULES.values():
+        module = ModuleSlices.of(sc.layout, names)
+        x = torch.randn(num_tokens, module.in_features, generator=g)
+        y0 = torch.randn(num_tokens, sum(module.out_features), generator=g)
+        want_h, want_y = _dense_expected(sc, x, token_slots, names, y0)
+        h = torch.full((len(names), num_tokens, MAX_RANK), float("nan"))
+        backend.shrink(x, sc.pool, h, batch, sc.slots, module, sc.layout)
+        defined = ~want_h.isnan()
+        torch.testing.assert_close(h[defined], want_h[defined], atol=1e-4, rtol=1e-4)
+        y = y0.clone()
+        backend.expand(h, sc.pool, y, batch, sc.slots, module, sc.layout)
+        torch.testing.assert_close(y, want_y, atol=1e-4, rtol=1e-4)
+        no_adapter = [t for t, s in enumerate(token_slots) if s < 0]
+        assert torch.equal(y[no_adapter], y0[no_adapter])
+
+
+def test_stream_tiles_must_be_job_rows_high():
+    sc = Scenario(0, torch.float32)
+    batch = make_batch([sc.used_slots[0]] * 3, ranks=sc.slots.rank)
+    module = ModuleSlices.of(sc.layout, MODULES["o"])
+    backend = TritonBackend(*small_tiles(1),
+                            stream_tiles=lambda b, k: Tiles(block_n=16, block_k=16))
+    with pytest.raises(ValueError, match="rank rows for jobs"):
+        backend.shrink(torch.randn(3, HIDDEN), sc.pool, torch.zeros(1, 3, MAX_RANK), batch,
+                       sc.slots, module, sc.layout)
+
+
 @pytest.mark.parametrize("split_k, expand_k", [(1, 16), (3, MAX_RANK)])
 def test_h_wider_than_the_max_rank(split_k, expand_k):
     """An h wider than the table's max rank (its extra columns NaN): the
@@ -215,7 +262,11 @@ def test_token_batch_groups_by_slot():
     assert make_batch([0] * 40).block_m == 64 and make_batch(list(range(8))).block_m == 16
 
 
-@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("backend", [
+    pytest.param(get_backend("torch"), id="torch"),
+    *(pytest.param(TritonBackend(*small_tiles(1, expand_k=expand_k),
+                                 stream_tiles=stream_tiles), id=f"triton-k{expand_k}")
+      for expand_k in (16, MAX_RANK))])
 def test_persistent_buffers_refilled_with_a_smaller_batch(backend):
     """What CUDA-graph replay relies on: the same buffers and grid, refilled
     with a batch of fewer blocks, give that batch's result; the stale blocks
@@ -223,15 +274,16 @@ def test_persistent_buffers_refilled_with_a_smaller_batch(backend):
     from vllm_loraserve.kernels.batch import TokenBatchBuffers
 
     sc = Scenario(4, torch.float32)
-    buffers = TokenBatchBuffers(max_tokens=40, max_slots=5, block_m=16)
+    buffers = TokenBatchBuffers(max_tokens=40, max_slots=5, block_m=16, max_rank=MAX_RANK)
     names = MODULES["qkv"]
     module = ModuleSlices.of(sc.layout, names)
     rng = random.Random(9)
-    first = buffers.fill(sc.token_slots(rng, 40))
+    first = buffers.fill(sc.token_slots(rng, 40), sc.slots.rank)
     for n in (40, 9):
         token_slots = sc.token_slots(rng, n)
-        batch = buffers.fill(token_slots)
+        batch = buffers.fill(token_slots, sc.slots.rank)
         assert batch.max_blocks == first.max_blocks and batch.blocks is first.blocks
+        assert batch.max_jobs == first.max_jobs and batch.jobs is first.jobs
         x = torch.randn(n, HIDDEN)
         y0 = torch.randn(n, HIDDEN + 2 * KV)
         want_h, want_y = _dense_expected(sc, x, token_slots, names, y0)
@@ -243,4 +295,4 @@ def test_persistent_buffers_refilled_with_a_smaller_batch(backend):
         torch.testing.assert_close(h[defined], want_h[defined], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(y, want_y, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="buffer capacity 40"):
-        buffers.fill([0] * 41)
+        buffers.fill([0] * 41, sc.slots.rank)

@@ -85,16 +85,17 @@ def get_backend(name: str) -> KernelBackend:
 
 
 def make_batch(token_slots: Sequence[int] | np.ndarray, device: torch.device | str = "cpu",
-               block_m: int | None = None) -> TokenBatch:
+               block_m: int | None = None, ranks=None) -> TokenBatch:
     """The step's TokenBatch, with a block height suited to its shape:
     one tensor-core tile when adapters have few tokens each (decode),
-    taller when they have many (prefill)."""
+    taller when they have many (prefill). `ranks[slot]`, where given: the
+    slots' ranks, for the shrink's jobs (TokenBatch.build)."""
     if block_m is None:
         slots = np.asarray(token_slots)
         used = slots[slots >= 0]
         per_adapter = used.size / max(1, np.unique(used).size)
         block_m = 16 if per_adapter <= 16 else 64
-    return TokenBatch.build(token_slots, block_m, device)
+    return TokenBatch.build(token_slots, block_m, device, ranks)
 
 
 __all__ = ["BACKENDS", "KernelBackend", "ModuleSlices", "PageWriter", "SlotTable", "TokenBatch",

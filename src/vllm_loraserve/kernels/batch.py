@@ -4,8 +4,11 @@
   (paging/layout.py). Shared by every layer and module of a step.
 - `TokenBatch`: the step's tokens grouped by slot and cut into work blocks
   of at most `block_m` tokens, one slot per block. Tokens without an adapter
-  are in no block, so the kernels never touch them. `TokenBatchBuffers`
-  keeps them in persistent tensors for CUDA-graph replay.
+  are in no block, so the kernels never touch them. Where the slots' ranks
+  are known, also the shrink's jobs: one per (block, `JOB_ROWS` rank rows
+  of its slot), so its grid follows the sum of the ranks in the step, not
+  the largest rank. `TokenBatchBuffers` keeps them in persistent tensors
+  for CUDA-graph replay.
 - `ModuleSlices`: which consecutive slices of the layout one vLLM LoRA layer
   computes (qkv_proj: q, k, v) and where each lands in its output.
 
@@ -16,6 +19,7 @@ and on `SlotTable.max_rank`, never on the ranks in the batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -127,6 +131,22 @@ class SlotTable:
         self.seg_offsets[slot] = -1
 
 
+JOB_ROWS = 32  # rank rows per shrink job (the shrink's tile height over the rank)
+
+
+def _jobs(blocks: np.ndarray, ranks) -> np.ndarray:
+    """(block index, first rank row) of every JOB_ROWS rows of each block's
+    slot rank, blocks in order: together they cover each block's rank rows
+    exactly once. `ranks[slot]` is the rank of the adapter in `slot`."""
+    ranks = np.asarray(ranks.cpu() if isinstance(ranks, torch.Tensor) else ranks,
+                       dtype=np.int64)
+    tiles = -(-ranks[blocks[:, 0]] // JOB_ROWS) if len(blocks) else np.zeros(0, np.int64)
+    block = np.repeat(np.arange(len(blocks)), tiles)
+    first = np.repeat(np.cumsum(tiles) - tiles, tiles)
+    return np.stack([block, (np.arange(len(block)) - first) * JOB_ROWS],
+                    axis=1).astype(np.int32).reshape(-1, 2)
+
+
 def _group_tokens(token_slots, block_m: int) -> tuple[np.ndarray, np.ndarray]:
     """Token indices grouped by slot (stable) and (slot, start, length) blocks."""
     slots = np.asarray(token_slots.cpu() if isinstance(token_slots, torch.Tensor)
@@ -147,9 +167,11 @@ def _group_tokens(token_slots, block_m: int) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """Invariant: rows [0, num_blocks) of `blocks` are the batch's blocks;
-    the kernels launch `max_blocks` programs and those beyond `num_blocks`
-    (read on the device) return at once."""
+    """Invariant: rows [0, num_blocks) of `blocks` are the batch's blocks,
+    and rows [0, num_jobs) of `jobs` its shrink jobs (`_jobs`); the kernels'
+    grids depend on `max_blocks` and `max_jobs` only, and read the counts on
+    the device. `jobs` is None where the ranks were not given: the shrink
+    then covers every rank row up to the slot table's largest rank."""
 
     num_tokens: int
     sorted_tokens: torch.Tensor  # [>= tokens with an adapter] int32, grouped by slot
@@ -157,61 +179,85 @@ class TokenBatch:
     num_blocks_dev: torch.Tensor  # [1] int32, on the kernels' device
     num_blocks: int
     block_m: int
+    jobs: torch.Tensor | None = None  # [max_jobs, 2] int32: (block, first rank row)
+    num_jobs_dev: torch.Tensor | None = None  # [1] int32, on the kernels' device
 
     @classmethod
     def build(cls, token_slots: Sequence[int] | np.ndarray | torch.Tensor, block_m: int,
-              device: torch.device | str = "cpu") -> TokenBatch:
+              device: torch.device | str = "cpu", ranks=None) -> TokenBatch:
         """A batch in tensors of its own size (eager launches). `token_slots[t]`
-        is token t's slot, or -1 for no adapter."""
+        is token t's slot, or -1 for no adapter; `ranks[slot]`, where given,
+        the rank of the adapter in each slot (for the shrink's jobs)."""
         order, blocks = _group_tokens(token_slots, block_m)
         as_t = functools.partial(torch.as_tensor, dtype=torch.int32, device=device)
+        jobs = None if ranks is None else _jobs(blocks, ranks)
         return cls(len(token_slots), as_t(order), as_t(blocks), as_t([len(blocks)]),
-                   len(blocks), block_m)
+                   len(blocks), block_m, None if jobs is None else as_t(jobs),
+                   None if jobs is None else as_t([len(jobs)]))
 
     @property
     def max_blocks(self) -> int:
         return self.blocks.shape[0]
+
+    @property
+    def max_jobs(self) -> int:
+        return 0 if self.jobs is None else self.jobs.shape[0]
 
 
 class TokenBatchBuffers:
     """Persistent metadata buffers for CUDA-graph replay.
 
     A graph captured with a batch from `fill` replays correctly for any later
-    `fill` of the same buffers with at most `max_tokens` tokens: the grid
-    (`max_blocks`) and every tensor address stay fixed; only contents change.
+    `fill` of the same buffers with at most `max_tokens` tokens: the grids
+    (`max_blocks`, `max_jobs`) and every tensor address stay fixed; only
+    contents change. A block holds at most `job_tiles` jobs (its slot's rank
+    is at most `max_rank`), so `jobs[:bound * job_tiles]` holds every job of
+    a batch of at most `bound` blocks.
 
-    The three tensors are views of one device buffer, written each step by a
+    The five tensors are views of one device buffer, written each step by a
     single asynchronous copy from pinned host memory (two staging buffers in
     turn, each reused only once its previous copy is done), so a step never
     waits for the GPU to finish the one before it.
     """
 
-    def __init__(self, max_tokens: int, max_slots: int, block_m: int,
+    def __init__(self, max_tokens: int, max_slots: int, block_m: int, max_rank: int,
                  device: torch.device | str = "cpu") -> None:
         self.max_tokens, self.block_m = max_tokens, block_m
         # Each slot adds at most one partial block.
         max_blocks = -(-max_tokens // block_m) + min(max_tokens, max_slots)
+        self.job_tiles = -(-max_rank // JOB_ROWS)
+        max_jobs = max_blocks * self.job_tiles
         # Each view starts 16-byte aligned: Triton specialises a kernel on
         # its pointers' alignment, so the views must be the ones it was
         # compiled for at warm-up (worker/pool.py), whatever the sizes.
         self._blocks_at = _round_up(max_tokens, 4)
-        self._count_at = self._blocks_at + _round_up(3 * max_blocks, 4)
-        size = self._count_at + 4
+        self._jobs_at = self._blocks_at + _round_up(3 * max_blocks, 4)
+        self._count_at = self._jobs_at + _round_up(2 * max_jobs, 4)
+        size = self._count_at + 8
         self._device_buf = torch.zeros(size, dtype=torch.int32, device=device)
         self.sorted_tokens = self._device_buf[:max_tokens]
         self.blocks = self._device_buf[self._blocks_at:self._blocks_at + 3 * max_blocks].view(
             max_blocks, 3)
+        self.jobs = self._device_buf[self._jobs_at:self._jobs_at + 2 * max_jobs].view(
+            max_jobs, 2)
         self.num_blocks = self._device_buf[self._count_at:self._count_at + 1]
+        self.num_jobs = self._device_buf[self._count_at + 4:self._count_at + 5]
         cuda = torch.device(device).type == "cuda"
         self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda)
                          for _ in range(2 if cuda else 1)]
         self._copied = [torch.cuda.Event() if cuda else None for _ in self._staging]
         self._turn = 0
 
-    def fill(self, token_slots: Sequence[int] | np.ndarray | torch.Tensor) -> TokenBatch:
+    def fill(self, token_slots: Sequence[int] | np.ndarray | torch.Tensor,
+             ranks) -> TokenBatch:
+        """`ranks[slot]`: the rank of the adapter in each slot the tokens name
+        (at most the `max_rank` the buffers were made for)."""
         if len(token_slots) > self.max_tokens:
             raise ValueError(f"{len(token_slots)} tokens > buffer capacity {self.max_tokens}")
         order, blocks = _group_tokens(token_slots, self.block_m)
+        jobs = _jobs(blocks, ranks)
+        if len(jobs) and jobs[:, 1].max() >= self.job_tiles * JOB_ROWS:
+            raise ValueError("a slot's rank exceeds the max_rank the buffers were made for")
         self._turn = (self._turn + 1) % len(self._staging)
         host, done = self._staging[self._turn], self._copied[self._turn]
         if done is not None:
@@ -219,12 +265,20 @@ class TokenBatchBuffers:
         host_np = host.numpy()
         host_np[:len(order)] = order
         host_np[self._blocks_at:self._blocks_at + blocks.size] = blocks.reshape(-1)
+        host_np[self._jobs_at:self._jobs_at + jobs.size] = jobs.reshape(-1)
         host_np[self._count_at] = len(blocks)
+        host_np[self._count_at + 4] = len(jobs)
         self._device_buf.copy_(host, non_blocking=True)
         if done is not None:
             done.record()
         return TokenBatch(len(token_slots), self.sorted_tokens, self.blocks, self.num_blocks,
-                          len(blocks), self.block_m)
+                          len(blocks), self.block_m, self.jobs, self.num_jobs)
+
+    def bounded(self, batch: TokenBatch, bound: int) -> TokenBatch:
+        """`batch` with grids for at most `bound` blocks (a CUDA graph's
+        token count): its blocks and jobs views cut to that capacity."""
+        return dataclasses.replace(batch, blocks=self.blocks[:bound],
+                                   jobs=self.jobs[:bound * self.job_tiles])
 
 
 @dataclass(frozen=True)

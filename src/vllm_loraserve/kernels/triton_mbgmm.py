@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_loraserve.kernels.batch import ModuleSlices, SlotTable, TokenBatch
+from vllm_loraserve.kernels.batch import JOB_ROWS, ModuleSlices, SlotTable, TokenBatch
 from vllm_loraserve.paging.layout import LayerLayout
 
 
@@ -93,6 +93,70 @@ def _shrink_kernel(
                 tl.store(out, acc, mask=mask)
             else:
                 tl.atomic_add(out, acc, mask=mask)
+
+
+@triton.jit
+def _shrink_stream_kernel(
+    x_ptr, pool_ptr, h_ptr, tok_ptr, blocks_ptr, rank_ptr, seg_ptr, pages_ptr,
+    jobs_ptr, njobs_ptr,
+    K, a_width, page_size, num_segs, max_pages, seg0,
+    stride_xt, stride_hs, stride_ht,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, COUNT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """The shrink as stream-K over the step's work: a unit is BK input
+    columns of one (job, slice) piece, units run piece by piece, and each
+    program takes an equal run of consecutive units (a piece's partial sum is
+    added into the zeroed h where the run starts or ends inside it). So every
+    program of a fixed grid (a CUDA graph's) gets the same work, within one
+    unit, whatever the step's jobs; the grid-stride shrink leaves programs
+    idle or doubles some up."""
+    chunks = tl.cdiv(K, BK)
+    units = tl.load(njobs_ptr) * COUNT * chunks
+    per = tl.cdiv(units, tl.num_programs(0))
+    u = tl.program_id(0) * per
+    u_end = tl.minimum(u + per, units)
+    offs_m = tl.arange(0, BM)
+    offs_k = tl.arange(0, BK)
+    while u < u_end:
+        piece = u // chunks
+        c0 = u % chunks
+        c1 = tl.minimum(chunks, c0 + (u_end - u))
+        job = piece // COUNT
+        s = piece % COUNT
+        blk = tl.load(jobs_ptr + job * 2)
+        n0 = tl.load(jobs_ptr + job * 2 + 1)
+        slot = tl.load(blocks_ptr + blk * 3)
+        rank = tl.load(rank_ptr + slot)
+        seg_off = tl.load(seg_ptr + slot * num_segs + seg0 + 2 * s)
+        if (seg_off >= 0) & (n0 < rank):  # rank 0: a hidden slot
+            start = tl.load(blocks_ptr + blk * 3 + 1)
+            length = tl.load(blocks_ptr + blk * 3 + 2)
+            m_mask = offs_m < length
+            toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
+            offs_n = n0 + tl.arange(0, BN)
+            n_mask = offs_n < rank
+            row_start = seg_off + offs_n * a_width
+            page_row = pages_ptr + slot * max_pages
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(c0 * BK, tl.minimum(c1 * BK, K), BK):
+                if EVEN_K:
+                    x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
+                                mask=m_mask[:, None], other=0.0)
+                    w_mask = n_mask[None, :]
+                else:
+                    k_mask = (k0 + offs_k) < K
+                    x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
+                                mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                    w_mask = n_mask[None, :] & k_mask[:, None]
+                chunk = row_start + k0
+                page = tl.load(page_row + chunk // page_size, mask=n_mask, other=0)
+                base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
+                w = tl.load(pool_ptr + base[None, :] + offs_k[:, None], mask=w_mask, other=0.0)
+                acc += tl.dot(x, w)
+            out = h_ptr + s * stride_hs + toks[:, None] * stride_ht + offs_n[None, :]
+            tl.atomic_add(out, acc, mask=m_mask[:, None] & n_mask[None, :])
+        u += c1 - c0
 
 
 @triton.jit
@@ -237,6 +301,7 @@ class Tiles:
     split_k: int = 0  # shrink only; 0: chosen per launch by `auto_split_k`
     num_warps: int = 4
     num_stages: int = 2
+    max_regs: int = 0  # registers per thread (Triton's maxnreg) on CUDA; 0: the compiler's
 
 
 def shrink_tiles(batch: TokenBatch, k: int) -> Tiles:
@@ -258,6 +323,19 @@ def shrink_tiles(batch: TokenBatch, k: int) -> Tiles:
     return Tiles(block_n=32, block_k=128, split_k=1)
 
 
+def stream_tiles(batch: TokenBatch, k: int) -> Tiles:
+    """The stream-K shrink's tiles (batches with jobs: the pool's): JOB_ROWS
+    rank rows, no split (the stream splits K itself). Measured on an H100
+    against the grid-stride shrink with `shrink_tiles` (docs/benchmarks/
+    kernels.md, session 17); 48 registers let more programs share an SM at
+    decode heights, where a 16-row tile had been best before."""
+    if batch.max_blocks > 128 and batch.block_m <= 16:
+        if k > 4096:
+            return Tiles(block_n=JOB_ROWS, block_k=256)
+        return Tiles(block_n=JOB_ROWS, block_k=128, max_regs=48)
+    return Tiles(block_n=JOB_ROWS, block_k=128)
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -273,6 +351,7 @@ def auto_split_k(k: int, block_k: int, programs: int, device: torch.device) -> i
 
 
 PROGRAMS_PER_SM = 32
+STREAM_PROGRAMS_PER_SM = 8  # the stream-K shrink's grid: about one wave of its programs
 
 
 def block_programs(max_blocks: int, per_block: int, device: torch.device) -> int:
@@ -328,11 +407,12 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, shrink_tiles=shrink_tiles, expand_tiles=expand_tiles,
-                 grad_tiles=grad_tiles) -> None:
+                 grad_tiles=grad_tiles, stream_tiles=stream_tiles) -> None:
         """The tile functions must depend on a batch's `block_m` and
         `max_blocks` only (and the size given): a shrink's launch is kept per
         those, since every layer's shrink and expand of a step ask for it."""
         self._shrink_tiles, self._expand_tiles = shrink_tiles, expand_tiles
+        self._stream_tiles = stream_tiles
         self._grad_tiles = grad_tiles
         self._launches: dict[tuple, tuple[Tiles, int, tuple[int, int, int]]] = {}
 
@@ -381,6 +461,9 @@ class TritonBackend:
         x has k columns."""
         if batch.max_blocks == 0:
             return
+        if batch.jobs is not None:
+            self._shrink_stream(x, pool, h, batch, slots, layout, k, width, seg0, count)
+            return
         t, split_k, grid = self._shrink_launch(batch, slots.max_rank, k, count, x.device)
         _check_align(layout, t.block_k)
         if split_k > 1:  # the splits add into h
@@ -393,6 +476,26 @@ class TritonBackend:
             BM=batch.block_m, BN=t.block_n, BK=t.block_k, SPLIT_K=split_k,
             EVEN_K=k % t.block_k == 0, EVEN_H=split_k > 1 and h.shape[-1] % t.block_n == 0,
             num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+
+    def _shrink_stream(self, x, pool, h, batch, slots, layout, k, width, seg0,
+                       count) -> None:
+        """As `_shrink`, over the batch's jobs (stream-K): all of h zeroed
+        first, each piece added into it. The grid is fixed by the device."""
+        t = self._stream_tiles(batch, k)
+        if t.block_n != JOB_ROWS:
+            raise ValueError(f"stream tiles of {t.block_n} rank rows for jobs of {JOB_ROWS}")
+        _check_align(layout, t.block_k)
+        h.zero_()
+        sms = _num_sms(x.device) if x.device.type == "cuda" else 4
+        _shrink_stream_kernel[(STREAM_PROGRAMS_PER_SM * sms,)](
+            x, pool, h, batch.sorted_tokens, batch.blocks, slots.rank, slots.seg_offsets,
+            slots.pages, batch.jobs, batch.num_jobs_dev,
+            k, width, layout.page_size, layout.num_segments, slots.pages.shape[1], seg0,
+            x.stride(0), h.stride(0), h.stride(1),
+            BM=batch.block_m, BN=t.block_n, BK=t.block_k, COUNT=count,
+            EVEN_K=k % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages,
+            **({"maxnreg": t.max_regs} if t.max_regs and x.device.type == "cuda" else {}),
         )
 
     def _expand(self, h, pool, y, batch, slots, layout, desc_rows, seg0,
@@ -429,10 +532,12 @@ class TritonBackend:
         Returns the number of distinct variants launched."""
         seen = set()
         for batch in batches:
-            t, split_k, _ = self._shrink_launch(batch, slots.max_rank, module.in_features,
-                                                module.count, x.device)
-            key = (batch.block_m, t, split_k,
-                   self._expand_tiles(batch, max(module.out_features)))
+            if batch.jobs is not None:  # the stream shrink; the expand reads a zeroed h
+                shrink = ("stream", self._stream_tiles(batch, module.in_features))
+            else:
+                shrink = self._shrink_launch(batch, slots.max_rank, module.in_features,
+                                             module.count, x.device)[:2]
+            key = (batch.block_m, shrink, self._expand_tiles(batch, max(module.out_features)))
             if key not in seen:
                 seen.add(key)
                 self.shrink(x, pool, h, batch, slots, module, layout)
@@ -461,7 +566,7 @@ class TritonBackend:
         _, split_k, _ = self._shrink_launch(batch, slots.max_rank, module.in_features,
                                             module.count, h.device)
         self._expand(h, pool, y, batch, slots, layout, rows, 2 * module.first + 1,
-                     h_zeroed=split_k > 1)
+                     h_zeroed=split_k > 1 or batch.jobs is not None)
 
     # Backward: the same two kernels with the segments' roles swapped, one
     # slice per launch (each slice has its own input columns, or, for dx,

@@ -129,7 +129,7 @@ class DevicePool:
         if large_rule not in LARGE_RULES:
             raise ValueError(f"unknown large-batch rule {large_rule!r}: {sorted(LARGE_RULES)}")
         self.large_rule = large_rule
-        self._buffers = {key: TokenBatchBuffers(max_tokens, max_slots, key[1], device)
+        self._buffers = {key: TokenBatchBuffers(max_tokens, max_slots, key[1], max_rank, device)
                          for key in {SMALL, *LARGE_RULES[large_rule]}}
         self._batches: dict[tuple[str, int], TokenBatch] = {}
         self.active = False  # the step has LoRA requests (warm-up dummies count)
@@ -158,11 +158,15 @@ class DevicePool:
         # no blocks: nothing is computed. No step has filled them yet.
         for buffers in self._buffers.values():
             buffers.num_blocks.zero_()
+            buffers.num_jobs.zero_()
         shapes = sorted({shape for t in range(1, self.h.shape[1] + 1)
                          for shape in self._plan(t)})
-        batches = [TokenBatch(1, self._buffers[key].sorted_tokens,
-                              self._buffers[key].blocks[:bound], self._buffers[key].num_blocks,
-                              0, key[1]) for key, bound in shapes]
+        batches = []
+        for key, bound in shapes:
+            buf = self._buffers[key]
+            empty = TokenBatch(1, buf.sorted_tokens, buf.blocks, buf.num_blocks, 0, key[1],
+                               buf.jobs, buf.num_jobs)
+            batches.append(buf.bounded(empty, bound))
         variants, dtype = 1, self.pages[0].dtype  # activations too (the scheduler checks)
         for module in sorted(modules, key=lambda m: m.first):
             x = torch.zeros(1, module.in_features, dtype=dtype, device=self.device)
@@ -256,9 +260,11 @@ class DevicePool:
             raise RuntimeError(f"adapters {sorted(missing)} are scheduled but not resident "
                                "in the pool (scheduler and worker disagree)")
         lut = np.full(int(ids.max(initial=0)) + 1, -1, dtype=np.int64)
+        ranks = np.zeros(self.max_slots, dtype=np.int64)
         for lora_id in used:
             slot = lut[lora_id] = self.slot_of[lora_id]
             resident = self.slots[slot]
+            ranks[slot] = resident.placement.rank
             self.adapter_step_ranks += resident.placement.rank
             self.adapter_step_bytes += resident.weight_bytes
         if used:
@@ -266,7 +272,7 @@ class DevicePool:
             self.adapter_step_adapters += len(used)
         token_slots = np.where(ids > 0, lut[np.maximum(ids, 0)], -1)
         sets = self._token_sets(token_slots)
-        self._batches = {key: buf.fill(sets[key[0]]) for key, buf in self._buffers.items()}
+        self._batches = {key: buf.fill(sets[key[0]], ranks) for key, buf in self._buffers.items()}
         if self.gate is not None:
             self.gate.set_tokens(token_slots)
 
@@ -297,8 +303,7 @@ class DevicePool:
         for key, bound in self._plan(num_tokens):
             batch = self._batches[key]
             if batch.blocks.shape[0] != bound:
-                batch = self._batches[key] = dataclasses.replace(
-                    batch, blocks=self._buffers[key].blocks[:bound])
+                batch = self._batches[key] = self._buffers[key].bounded(batch, bound)
             out.append(batch)
         return out
 
