@@ -137,17 +137,24 @@ def time_module(pool: DevicePool, kind: str, tokens: int, dev: torch.device,
     if eager:
         ms = triton.testing.do_bench(step, warmup=10, rep=60, return_mode="median")
         return ms * 1e3 / LAYERS, first
+    return graph_us(step) / LAYERS, first
+
+
+def graph_us(fn) -> float:
+    """Median microseconds of one replay of `fn` captured in a CUDA graph
+    (warmed up first on a side stream, as torch's graph capture asks)."""
+    fn()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step()
+        fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step()
+        fn()
     ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
     del graph
-    return ms * 1e3 / LAYERS, first
+    return ms * 1e3
 
 
 def copy_tb_s(dev: torch.device) -> float:

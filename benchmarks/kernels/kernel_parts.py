@@ -25,26 +25,10 @@ import json
 import numpy as np
 import torch
 import triton
-from engine_grid import LAYERS, MODULES, SHAPES, TARGETS, build, copy_tb_s
+from engine_grid import LAYERS, MODULES, SHAPES, TARGETS, build, copy_tb_s, graph_us
 
 from vllm_loraserve.kernels import triton_mbgmm
 from vllm_loraserve.kernels.batch import ModuleSlices
-
-
-def graph_us(fn) -> float:
-    """Median microseconds of one replay of `fn` captured in a CUDA graph."""
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
-    del graph
-    return ms * 1e3
 
 
 def module_bytes(pool, m: ModuleSlices, batches) -> tuple[int, int, int, int]:

@@ -24,8 +24,7 @@ import json
 import torch
 import triton
 import triton.language as tl
-from engine_grid import LAYERS, MODULES, SHAPES, TARGETS, build
-from kernel_parts import graph_us
+from engine_grid import LAYERS, MODULES, SHAPES, TARGETS, build, graph_us
 
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.kernels.triton_mbgmm import block_programs
