@@ -23,13 +23,15 @@ def test_profile_cpu_engine(tiny_assets, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_loraserve.cli.main", "profile", "--model",
          os.path.join(tiny_assets, "model"), "--adapter-dir", str(adapters), "--out", str(out),
-         "--batch-sizes", "1", "4", "--prompt-lens", "16", "64", "--repeats", "1", "--plugin"],
+         "--batch-sizes", "1", "4", "--prompt-lens", "16", "256", "--repeats", "1", "--plugin"],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     profile = Profile.load(out)
     assert set(profile.step.coef) == set(FEATURES)
     assert all(v >= 0 for v in profile.step.coef.values())
-    assert profile.step.coef["prefill_tokens"] > 0  # more prompt tokens take longer
+    # More prompt tokens take longer: 16 against 256 (at 16 against 64 the
+    # slope was within a 2-core machine's timing noise, and the fit gave 0).
+    assert profile.step.coef["prefill_tokens"] > 0
     assert set(profile.operating_points) == {8, 32}
     assert all(v > 0 for v in profile.operating_points.values())
     assert {"all_steps", "decode_mbgmv", "prefill_mbgmv"} <= set(profile.fit_r2)
