@@ -241,10 +241,10 @@ def test_a_wrong_page_is_detected():
     assert not torch.allclose(h, want, atol=1e-3)
 
 
-def test_tiles_must_divide_align():
+def test_tiles_must_divide_panel():
     sc = Scenario(0, torch.float32)
     module = ModuleSlices.of(sc.layout, MODULES["o"])
-    with pytest.raises(ValueError, match="does not divide the layout's align"):
+    with pytest.raises(ValueError, match="column tile 128 does not divide the layout's panel 16"):
         TritonBackend().shrink(torch.randn(2, HIDDEN), sc.pool, torch.zeros(1, 2, MAX_RANK),
                                make_batch([0, 0]), sc.slots, module, sc.layout)
 

@@ -41,6 +41,29 @@ def test_placement_geometry():
     assert p.num_pages == math.ceil(p.stream_len / 64)
 
 
+@pytest.mark.parametrize("align, panel", [(16, 16), (256, 128), (384, 128), (8, 8)])
+def test_segments_stored_in_panels(align, panel):
+    """Element (j, c) of a segment at `off` sits at off + (c // P) * rank * P
+    + j * P + c % P: the address every kernel computes."""
+    layout = LayerLayout((SliceSpec("q_proj", 300, 130),), page_size=4 * align, align=align)
+    assert layout.panel == panel
+    rank = 3
+    a = torch.arange(rank * 300, dtype=torch.float32).view(rank, 300) + 1
+    b = -torch.arange(130 * rank, dtype=torch.float32).view(130, rank) - 1
+    p = layout.place(rank, ["q_proj"])
+    stream = pack_layer(layout, p, {"q_proj": (a, b)}, 1.0, torch.float32)
+    for seg, rows in ((0, a), (1, b.T)):
+        off = p.seg_offsets[seg]
+        for j in range(rank):
+            for c in (0, 1, panel - 1, panel, 129, rows.shape[1] - 1):
+                at = off + (c // panel) * rank * panel + j * panel + c % panel
+                assert stream[at] == rows[j, c], (seg, j, c)
+        # Padding columns of the last panel are zero.
+        width = layout.width(seg)
+        pad = off + (width // panel - 1) * rank * panel + panel - 1
+        assert rows.shape[1] == width or stream[pad] == 0
+
+
 def test_rows_padded_to_align():
     layout = LayerLayout((SliceSpec("q_proj", 50, 20),), page_size=128, align=32)
     assert (layout.width(0), layout.width(1)) == (64, 32)

@@ -11,7 +11,8 @@ ranks in the batch; the grid itself depends only on the most blocks a batch
 of that many tokens can have (what a CUDA graph captured) and the device's
 SM count (`block_programs`). Weights are read through the slot's page table: one
 page lookup per (row, tile chunk), which the layout guarantees never crosses
-a page (paging/layout.py).
+a page; a tile's rows follow each other in the layout's panels, so a tile is
+one contiguous run within a page (paging/layout.py).
 
 Scaling is folded into Bt. Accumulation is fp32; the shrink output `h` is an
 fp32 buffer [slices, tokens, max_rank], cast to the weight dtype for the
@@ -34,10 +35,10 @@ from vllm_loraserve.paging.layout import LayerLayout
 @triton.jit
 def _shrink_kernel(
     x_ptr, pool_ptr, h_ptr, tok_ptr, blocks_ptr, nblocks_ptr, rank_ptr, seg_ptr, pages_ptr,
-    K, a_width, page_size, num_segs, max_pages, seg0,
+    K, page_size, num_segs, max_pages, seg0,
     stride_xt, stride_hs, stride_ht,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_H: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_H: tl.constexpr, PANEL: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     split = pid0 % SPLIT_K
@@ -61,7 +62,6 @@ def _shrink_kernel(
             toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
             offs_n = n0 + tl.arange(0, BN)
             n_mask = offs_n < rank
-            row_start = seg_off + offs_n * a_width  # element offset of each A row
             page_row = pages_ptr + slot * max_pages
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for k0 in range(k_begin, tl.minimum(k_begin + k_span, K), BK):
@@ -74,10 +74,11 @@ def _shrink_kernel(
                     x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
                                 mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                     w_mask = n_mask[None, :] & k_mask[:, None]
-                chunk = row_start + k0  # a chunk of BK elements lies in one page
+                # Each row's BK columns: one run in a panel, inside one page.
+                chunk = seg_off + (k0 // PANEL) * rank * PANEL + offs_n * PANEL + k0 % PANEL
                 page = tl.load(page_row + chunk // page_size, mask=n_mask, other=0)
-                # Rows start at multiples of the layout's align (checked: a
-                # multiple of 16), which lets Triton issue wide loads.
+                # Panel rows start at multiples of the layout's panel
+                # (checked: a multiple of 16), which lets Triton issue wide loads.
                 base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
                 w = tl.load(pool_ptr + base[None, :] + offs_k[:, None], mask=w_mask, other=0.0)
                 acc += tl.dot(x, w)
@@ -99,10 +100,10 @@ def _shrink_kernel(
 def _shrink_stream_kernel(
     x_ptr, pool_ptr, h_ptr, tok_ptr, blocks_ptr, rank_ptr, seg_ptr, pages_ptr,
     jobs_ptr, njobs_ptr,
-    K, a_width, page_size, num_segs, max_pages, seg0,
+    K, page_size, num_segs, max_pages, seg0,
     stride_xt, stride_hs, stride_ht,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, COUNT: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PANEL: tl.constexpr,
 ):
     """The shrink as stream-K over the step's work: a unit is BK input
     columns of one (job, slice) piece, units run piece by piece, and each
@@ -136,7 +137,6 @@ def _shrink_stream_kernel(
             toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
             offs_n = n0 + tl.arange(0, BN)
             n_mask = offs_n < rank
-            row_start = seg_off + offs_n * a_width
             page_row = pages_ptr + slot * max_pages
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for k0 in range(c0 * BK, tl.minimum(c1 * BK, K), BK):
@@ -149,7 +149,7 @@ def _shrink_stream_kernel(
                     x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
                                 mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                     w_mask = n_mask[None, :] & k_mask[:, None]
-                chunk = row_start + k0
+                chunk = seg_off + (k0 // PANEL) * rank * PANEL + offs_n * PANEL + k0 % PANEL
                 page = tl.load(page_row + chunk // page_size, mask=n_mask, other=0)
                 base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
                 w = tl.load(pool_ptr + base[None, :] + offs_k[:, None], mask=w_mask, other=0.0)
@@ -166,7 +166,7 @@ def _expand_kernel(
     page_size, num_segs, max_pages, seg0,
     stride_hs, stride_ht, stride_yt,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGNED: tl.constexpr,
-    EVEN_H: tl.constexpr,
+    EVEN_H: tl.constexpr, PANEL: tl.constexpr,
 ):
     """A program takes one tile of BN columns of each work block it strides
     to, looping over the rank in BK rows. (Several column tiles per program,
@@ -175,9 +175,8 @@ def _expand_kernel(
     each token's rank up to a multiple of BK (the shrink zeroed it), so its
     rows load unmasked."""
     s = tl.program_id(2)
-    n_out = tl.load(desc_ptr + s * 3 + 1)
-    width = tl.load(desc_ptr + s * 3)
-    col0 = tl.load(desc_ptr + s * 3 + 2)
+    n_out = tl.load(desc_ptr + s * 2)
+    col0 = tl.load(desc_ptr + s * 2 + 1)
     if ALIGNED:  # the launcher checked every slice's first column and width
         col0 = tl.multiple_of(col0, 16)
         # Known divisibility makes the column mask constant over 16 columns,
@@ -212,7 +211,9 @@ def _expand_kernel(
                 else:
                     hj = tl.load(h_rows + (j0 + offs_j)[None, :],
                                  mask=m_mask[:, None] & j_mask[None, :], other=0.0)
-                chunk = seg_off + (j0 + offs_j) * width + n0  # BN columns of row j: one page
+                # BN columns of row j: one run in a panel, inside one page; the
+                # tile's rows follow each other there.
+                chunk = seg_off + (n0 // PANEL) * rank * PANEL + (j0 + offs_j) * PANEL + n0 % PANEL
                 page = tl.load(page_row + chunk // page_size, mask=j_mask, other=0)
                 base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
                 w = tl.load(pool_ptr + base[:, None] + tl.arange(0, BN)[None, :],
@@ -225,9 +226,9 @@ def _expand_kernel(
 def _grad_pool_kernel(
     left_ptr, right_ptr, dpool_ptr, tok_ptr, blocks_ptr, nblocks_ptr, rank_ptr, seg_ptr,
     pages_ptr,
-    n_cols, width, page_size, num_segs, max_pages, seg,
+    n_cols, page_size, num_segs, max_pages, seg,
     stride_lt, stride_rt,
-    BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+    BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PANEL: tl.constexpr,
 ):
     """dW[slot][j, n] += sum over the block's tokens t of left[t, j] * right[t, n],
     added into segment `seg`'s rows in the (fp32) pool gradient: dA from
@@ -261,7 +262,7 @@ def _grad_pool_kernel(
         right = tl.load(right_ptr + toks[:, None] * stride_rt + offs_n[None, :],
                         mask=m_mask[:, None] & n_mask[None, :], other=0.0)
         acc += tl.dot(tl.trans(left).to(right.dtype), right)
-    chunk = seg_off + offs_r * width + n0  # BN columns of row j lie in one page
+    chunk = seg_off + (n0 // PANEL) * rank * PANEL + offs_r * PANEL + n0 % PANEL  # one page
     page = tl.load(pages_ptr + slot * max_pages + chunk // page_size, mask=r_mask, other=0)
     base = page.to(tl.int64) * page_size + chunk % page_size
     tl.atomic_add(dpool_ptr + base[:, None] + tl.arange(0, BN)[None, :], acc,
@@ -311,12 +312,12 @@ def shrink_tiles(batch: TokenBatch, k: int) -> Tiles:
     (docs/benchmarks/kernels.md, 2026-11-25): the same tiles were best or
     within noise at K 4096 and 14336 but for the ones split out here. Below
     ~100 tokens, the tiles of the 2026-11-21 tuning: the sweep's (tuned at
-    256 tokens) made a layer of 1 to 64 tokens up to 1.6x slower."""
+    256 tokens) made a layer of 1 to 64 tokens up to 1.6x slower. Column
+    tiles are at most the layout's panel (128): down_proj's 256, the sweep's
+    pick at decode heights, no longer fits one."""
     if batch.max_blocks <= 128:  # a few tokens: split K wide (the fixed cost is latency)
         return Tiles(block_n=32, block_k=128, split_k=16)
-    if batch.block_m <= 16:
-        if k > 4096:  # down_proj's 14336 (and 11008): wider tiles, fewer steps
-            return Tiles(block_n=32, block_k=256, split_k=4)
+    if batch.block_m <= 16 and k <= 4096:
         return Tiles(block_n=16, block_k=128, split_k=4)
     if k > 4096:
         return Tiles(block_n=32, block_k=128, split_k=4)
@@ -329,9 +330,7 @@ def stream_tiles(batch: TokenBatch, k: int) -> Tiles:
     against the grid-stride shrink with `shrink_tiles` (docs/benchmarks/
     kernels.md, session 17); 48 registers let more programs share an SM at
     decode heights, where a 16-row tile had been best before."""
-    if batch.max_blocks > 128 and batch.block_m <= 16:
-        if k > 4096:
-            return Tiles(block_n=JOB_ROWS, block_k=256)
+    if batch.max_blocks > 128 and batch.block_m <= 16 and k <= 4096:
         return Tiles(block_n=JOB_ROWS, block_k=128, max_regs=48)
     return Tiles(block_n=JOB_ROWS, block_k=128)
 
@@ -367,12 +366,12 @@ def block_programs(max_blocks: int, per_block: int, device: torch.device) -> int
 
 def expand_tiles(batch: TokenBatch, n: int) -> Tiles:
     """As `shrink_tiles`; `n`: the widest slice's output columns. The sweep
-    kept one column tile per program and 16 rank rows a step."""
+    kept one column tile per program and 16 rank rows a step; a column tile
+    is one panel (prefill's 256 was within 3% of 128 on panels:
+    docs/benchmarks/kernels.md, session 18)."""
     if batch.max_blocks <= 128:
         return Tiles(block_n=128, block_k=32)
-    if batch.block_m <= 16:
-        return Tiles(block_n=128, block_k=16)
-    return Tiles(block_n=256, block_k=16)
+    return Tiles(block_n=128, block_k=16)
 
 
 @dataclass(frozen=True)
@@ -388,19 +387,21 @@ def grad_tiles(batch: TokenBatch) -> GradTiles:
 
 
 @functools.lru_cache(maxsize=256)
-def _desc(rows: tuple[tuple[int, int, int], ...], device: torch.device) -> torch.Tensor:
-    """(segment row width, output columns, first output column) per slice."""
+def _desc(rows: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
+    """(output columns, first output column) per slice."""
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
 def _check_align(layout: LayerLayout, *tile_sizes: int) -> None:
-    if layout.align % 16:
-        raise ValueError(f"the Triton kernels need a layout align that is a multiple of 16, "
-                         f"got {layout.align}")
+    """Column tiles must divide the layout's panel (a tile's row is then one
+    run inside one page)."""
+    if layout.panel % 16:
+        raise ValueError(f"the Triton kernels need a layout panel that is a multiple of 16, "
+                         f"got {layout.panel} (align {layout.align})")
     for t in tile_sizes:
-        if layout.align % t:
-            raise ValueError(f"tile size {t} does not divide the layout's align "
-                             f"{layout.align}: a tile could cross a page")
+        if layout.panel % t:
+            raise ValueError(f"column tile {t} does not divide the layout's panel "
+                             f"{layout.panel}: a tile could cross a page")
 
 
 class TritonBackend:
@@ -456,13 +457,13 @@ class TritonBackend:
             launch = self._launches[key] = (t, split_k, grid)
         return launch
 
-    def _shrink(self, x, pool, h, batch, slots, layout, k, width, seg0, count) -> None:
+    def _shrink(self, x, pool, h, batch, slots, layout, k, seg0, count) -> None:
         """h[s, t, :rank] = x[t] @ (rows of segment seg0 + 2s).T for s < count;
         x has k columns."""
         if batch.max_blocks == 0:
             return
         if batch.jobs is not None:
-            self._shrink_stream(x, pool, h, batch, slots, layout, k, width, seg0, count)
+            self._shrink_stream(x, pool, h, batch, slots, layout, k, seg0, count)
             return
         t, split_k, grid = self._shrink_launch(batch, slots.max_rank, k, count, x.device)
         _check_align(layout, t.block_k)
@@ -470,16 +471,16 @@ class TritonBackend:
             h.zero_()
         _shrink_kernel[grid](
             x, pool, h, batch.sorted_tokens, batch.blocks, batch.num_blocks_dev, slots.rank,
-            slots.seg_offsets, slots.pages, k, width, layout.page_size,
+            slots.seg_offsets, slots.pages, k, layout.page_size,
             layout.num_segments, slots.pages.shape[1], seg0,
             x.stride(0), h.stride(0), h.stride(1),
             BM=batch.block_m, BN=t.block_n, BK=t.block_k, SPLIT_K=split_k,
             EVEN_K=k % t.block_k == 0, EVEN_H=split_k > 1 and h.shape[-1] % t.block_n == 0,
+            PANEL=layout.panel,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
-    def _shrink_stream(self, x, pool, h, batch, slots, layout, k, width, seg0,
-                       count) -> None:
+    def _shrink_stream(self, x, pool, h, batch, slots, layout, k, seg0, count) -> None:
         """As `_shrink`, over the batch's jobs (stream-K): all of h zeroed
         first, each piece added into it. The grid is fixed by the device."""
         t = self._stream_tiles(batch, k)
@@ -491,20 +492,22 @@ class TritonBackend:
         _shrink_stream_kernel[(STREAM_PROGRAMS_PER_SM * sms,)](
             x, pool, h, batch.sorted_tokens, batch.blocks, slots.rank, slots.seg_offsets,
             slots.pages, batch.jobs, batch.num_jobs_dev,
-            k, width, layout.page_size, layout.num_segments, slots.pages.shape[1], seg0,
+            k, layout.page_size, layout.num_segments, slots.pages.shape[1], seg0,
             x.stride(0), h.stride(0), h.stride(1),
             BM=batch.block_m, BN=t.block_n, BK=t.block_k, COUNT=count,
-            EVEN_K=k % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages,
+            EVEN_K=k % t.block_k == 0, PANEL=layout.panel, num_warps=t.num_warps,
+            num_stages=t.num_stages,
             **({"maxnreg": t.max_regs} if t.max_regs and x.device.type == "cuda" else {}),
         )
 
     def _expand(self, h, pool, y, batch, slots, layout, desc_rows, seg0,
                 h_zeroed: bool = False) -> None:
-        """y[:, cols(s)] += h[s] @ (rows of segment seg0 + 2s), s < len(desc_rows);
-        slices must write disjoint columns (programs of different s run at once)."""
+        """y[:, cols(s)] += h[s] @ (rows of segment seg0 + 2s), s < len(desc_rows),
+        desc_rows: (output columns, first output column) per slice; slices
+        must write disjoint columns (programs of different s run at once)."""
         if batch.max_blocks == 0:
             return
-        n_max = max(n for _, n, _ in desc_rows)
+        n_max = max(n for n, _ in desc_rows)
         t = self._expand_tiles(batch, n_max)
         _check_align(layout, t.block_n)
         col_blocks = triton.cdiv(n_max, t.block_n)
@@ -516,8 +519,8 @@ class TritonBackend:
             layout.page_size, layout.num_segments, slots.pages.shape[1], seg0,
             h.stride(0), h.stride(1), y.stride(0),
             BM=batch.block_m, BN=t.block_n, BK=t.block_k,
-            ALIGNED=all(n % 16 == 0 and col % 16 == 0 for _, n, col in desc_rows),
-            EVEN_H=h_zeroed and h.shape[-1] % t.block_k == 0,
+            ALIGNED=all(n % 16 == 0 and col % 16 == 0 for n, col in desc_rows),
+            EVEN_H=h_zeroed and h.shape[-1] % t.block_k == 0, PANEL=layout.panel,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
@@ -549,7 +552,7 @@ class TritonBackend:
         """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T. Where it splits K, all of h
         is zeroed first; otherwise no other entry of h is written."""
         self._shrink(x, pool, h, batch, slots, layout, module.in_features,
-                     layout.width(2 * module.first), 2 * module.first, module.count)
+                     2 * module.first, module.count)
 
     def expand(self, h: torch.Tensor, pool: torch.Tensor, y: torch.Tensor, batch: TokenBatch,
                slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
@@ -557,9 +560,7 @@ class TritonBackend:
         without an adapter and untargeted slices are left as they are. h is
         what `shrink` of the same batch and module wrote: read up to each
         token's rank, or unmasked where that shrink zeroed it (split K)."""
-        rows = [(layout.width(2 * (module.first + s) + 1), n, col)
-                for s, (n, col) in enumerate(zip(module.out_features, module.out_offsets,
-                                                 strict=True))]
+        rows = list(zip(module.out_features, module.out_offsets, strict=True))
         if batch.max_blocks == 0:
             return
         # The shrink of this batch and module zeroed h if it split K.
@@ -581,7 +582,7 @@ class TritonBackend:
                                              strict=True)):
             seg = 2 * (module.first + s) + 1
             self._shrink(dy[:, col:col + n_out], pool, dh[s:s + 1], batch, slots, layout,
-                         n_out, layout.width(seg), seg, 1)
+                         n_out, seg, 1)
 
     def shrink_grad_x(self, dh: torch.Tensor, pool: torch.Tensor, dx: torch.Tensor,
                       batch: TokenBatch, slots: SlotTable, module: ModuleSlices,
@@ -591,7 +592,7 @@ class TritonBackend:
         for s in range(module.count):
             seg = 2 * (module.first + s)
             self._expand(dh[s:s + 1], pool, dx, batch, slots, layout,
-                         [(layout.width(seg), module.in_features, 0)], seg)
+                         [(module.in_features, 0)], seg)
 
     def grad_pool(self, x: torch.Tensor, h: torch.Tensor, dy: torch.Tensor, dh: torch.Tensor,
                   dpool: torch.Tensor, batch: TokenBatch, slots: SlotTable,
@@ -615,9 +616,9 @@ class TritonBackend:
                 _grad_pool_kernel[grid](
                     left, right, acc, batch.sorted_tokens, batch.blocks, batch.num_blocks_dev,
                     slots.rank, slots.seg_offsets, slots.pages,
-                    n_cols, layout.width(seg), layout.page_size, layout.num_segments,
+                    n_cols, layout.page_size, layout.num_segments,
                     slots.pages.shape[1], seg, left.stride(0), right.stride(0),
-                    BM=t.block_m, BR=t.block_r, BN=t.block_n,
+                    BM=t.block_m, BR=t.block_r, BN=t.block_n, PANEL=layout.panel,
                 )
         if acc is not dpool:
             dpool += acc.to(dpool.dtype)

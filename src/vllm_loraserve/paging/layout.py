@@ -7,10 +7,20 @@ Per layer, an adapter is a stream of *segments*, one pair per slice it adapts
     Bt segment: rank rows of `out_features` elements  (row j = scaling * B[:, j])
 
 at the adapter's true rank (S-LoRA §5.1; B is stored transposed so both
-kernels read contiguous rows). Every row is padded to a multiple of `align`
-elements and `page_size` is a multiple of `align`, so a chunk of `align`
-elements (or of any divisor of it) that starts at a multiple of its size never
-crosses a page: a kernel looks a page up once per (row, chunk), not per element.
+kernels read rows of the rank). Every row is padded to a multiple of `align`
+elements, and a segment is stored in *panels* of `panel` columns: panel p
+holds columns [p * panel, (p + 1) * panel) of all rank rows, row after row,
+so element (j, c) of a segment at offset `off` sits at
+
+    off + (c // panel) * rank * panel + j * panel + c % panel
+
+A kernel tile of a few rank rows by at most `panel` columns is then one
+contiguous run (rows a full row width apart cost the kernels ~20% of their
+bandwidth: docs/benchmarks/kernels.md, session 18). `page_size` and every
+segment offset are multiples of `align`, itself a multiple of `panel`, so a
+chunk of `panel` elements (or of any divisor of it) that starts at a
+multiple of its size never crosses a page: a kernel looks a page up once per
+(row, chunk), not per element.
 
 An adapter only stores the slices it targets; `seg_offsets` holds -1 for the
 others. Element offset `o` of the stream lives in page `page_ids[o // page_size]`
@@ -26,6 +36,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+# A panel's columns: the widest column tile any kernel reads (the expand's
+# output tile, the shrink's input chunk: kernels/triton_mbgmm.py).
+PANEL = 128
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,12 @@ class LayerLayout:
                              f"align {self.align}")
         if len({s.name for s in self.slices}) != len(self.slices):
             raise ValueError("slice names must be unique")
+
+    @property
+    def panel(self) -> int:
+        """Columns of a panel (see the module's docstring): PANEL, or fewer
+        where `align` is not a multiple of it (tests' small layouts)."""
+        return math.gcd(self.align, PANEL)
 
     @property
     def num_segments(self) -> int:
@@ -165,21 +185,43 @@ def pack_layers(
             off = placement.seg_offsets[seg]
             if off < 0:
                 raise ValueError(f"slice {name} is not in this adapter's placement")
-            w = layout.width(seg)
             # A layer without this slice contributes zeros (no index tensor:
             # building one on a GPU would make the host wait for it).
             like = layers[have[0]][name][pick]
             zeros = None if len(have) == len(layers) else like.new_zeros(like.shape)
             rows = torch.stack([layers[i][name][pick] if name in layers[i] else zeros
                                 for i in range(len(layers))])
-            if pick:
-                rows = rows.transpose(1, 2)
-            view = out[:, off:off + r * w].view(len(layers), r, w)[:, :, :rows.shape[2]]
-            if pick:  # Bt = scaling * B^T, rounded to dtype once
-                torch.mul(rows, scaling, out=view)
-            else:
-                view.copy_(rows)
+            # Bt = scaling * B^T, rounded to dtype once.
+            write_segment(layout, out, off, seg, rows.transpose(1, 2) if pick else rows,
+                          scaling if pick else None)
     return out
+
+
+def _panels(layout: LayerLayout, flat: torch.Tensor, rank: int, segment: int) -> torch.Tensor:
+    """[..., rank, panels, panel] view of one segment's elements `flat`
+    ([..., rank * width]): [..., j, p, i] is column p * panel + i of row j."""
+    width, panel = layout.width(segment), layout.panel
+    return flat.unflatten(-1, (width // panel, rank, panel)).transpose(-3, -2)
+
+
+def write_segment(layout: LayerLayout, streams: torch.Tensor, offset: int, segment: int,
+                  rows: torch.Tensor, scaling: float | None = None) -> None:
+    """Write `rows` ([..., rank, in or out]; times `scaling` if given) into
+    one segment of `streams` ([..., stream elements]), at `offset`, in
+    panels. Padding columns are left as they are."""
+    rank, cols, panel = rows.shape[-2], rows.shape[-1], layout.panel
+    dst = _panels(layout, streams[..., offset:offset + rank * layout.width(segment)], rank,
+                  segment)
+    full = cols // panel
+    # Whole panels, then the last one's columns: two copies, whatever the width.
+    parts = [(dst[..., :full, :], rows[..., :full * panel].unflatten(-1, (full, panel)))]
+    if cols > full * panel:
+        parts.append((dst[..., full, :cols - full * panel], rows[..., full * panel:]))
+    for d, src in parts:
+        if scaling is None:
+            d.copy_(src)
+        else:
+            torch.mul(src, scaling, out=d)
 
 
 def warm_up_pack(layout: LayerLayout, dtype: torch.dtype, device: torch.device,
@@ -218,16 +260,25 @@ def read_segment(
     offset: int,
     segment: int,
 ) -> torch.Tensor:
-    """Rows [rank, width] of one segment (padding cut off), gathered from
-    `pool` ([num_pages, page_size]) through the adapter's `page_ids`."""
-    width = layout.width(segment)
-    n = rank * width
+    """Rows [rank, in or out] of one segment (padding cut off; a copy),
+    gathered from `pool` ([num_pages, page_size]) through the adapter's
+    `page_ids`."""
+    n = rank * layout.width(segment)
     first, last = offset // layout.page_size, -(-(offset + n) // layout.page_size)
     chunk = pool[page_ids[first:last].long()].reshape(-1)
     start = offset - first * layout.page_size
+    return segment_rows(layout, chunk, start, segment, rank)
+
+
+def segment_rows(layout: LayerLayout, streams: torch.Tensor, offset: int, segment: int,
+                 rank: int) -> torch.Tensor:
+    """The inverse of `write_segment`: rows [..., rank, in or out] (padding
+    cut off; a copy) of the segment at `offset` of `streams`."""
+    width = layout.width(segment)
+    flat = streams[..., offset:offset + rank * width]
     s = layout.slices[segment // 2]
-    return chunk[start:start + n].view(rank, width)[:, :(s.out_features if segment % 2
-                                                         else s.in_features)]
+    rows = _panels(layout, flat, rank, segment).flatten(-2)
+    return rows[..., :(s.out_features if segment % 2 else s.in_features)]
 
 
 def add_to_segment(
@@ -246,7 +297,7 @@ def add_to_segment(
     first, last = offset // layout.page_size, -(-(offset + n) // layout.page_size)
     chunk = torch.zeros((last - first) * layout.page_size, dtype=pool.dtype, device=pool.device)
     start = offset - first * layout.page_size
-    chunk[start:start + n].view(rank, width)[:, :rows.shape[1]] = rows.to(pool.dtype)
+    write_segment(layout, chunk, start, segment, rows.to(pool.dtype))
     pool.index_add_(0, page_ids[first:last].long(), chunk.view(-1, layout.page_size))
 
 

@@ -24,7 +24,13 @@ from torch import nn
 from vllm_loraserve.adapters.peft import short_name
 from vllm_loraserve.kernels import TokenBatch, make_batch
 from vllm_loraserve.kernels.batch import ModuleSlices, SlotTable
-from vllm_loraserve.paging.layout import AdapterPlacement, LayerLayout, SliceSpec
+from vllm_loraserve.paging.layout import (
+    AdapterPlacement,
+    LayerLayout,
+    SliceSpec,
+    segment_rows,
+    write_segment,
+)
 
 ALIGN = 256  # the Triton tiles divide it (paging/layout.py)
 PAGE_SIZE = 16 * ALIGN
@@ -193,22 +199,20 @@ class LayerGroup:
         self._version = -1
 
     def _segments(self, a: AdapterParams, placement: AdapterPlacement, base: int,
-                  buf: torch.Tensor):
-        """(A rows [L, r, in], Bt rows [L, r, out]) of `a` as views into `buf`."""
-        for seg in (0, 1):
-            off, w = base + placement.seg_offsets[seg], self.layout.width(seg)
-            cols = self.layout.slices[0].out_features if seg else self.module.in_features
-            yield buf[:, off:off + a.rank * w].view(len(self.paths), a.rank, w)[:, :, :cols]
+                  buf: torch.Tensor) -> list[torch.Tensor]:
+        """(A rows [L, r, in], Bt rows [L, r, out]) of `a` read from `buf` (copies)."""
+        return [segment_rows(self.layout, buf, base + placement.seg_offsets[seg], seg, a.rank)
+                for seg in (0, 1)]
 
     def layer_pool(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s pages, [pages, page_size], holding the current weights."""
         if self._version != self.state.version:
             with torch.no_grad():
                 for a, placement, base in self.members:
-                    a_rows, bt_rows = self._segments(a, placement, base, self.pool)
                     A, B = a.stacks[self.key]
-                    a_rows.copy_(A)
-                    bt_rows.copy_(B.transpose(1, 2) * a.scaling)
+                    for seg, rows, scaling in ((0, A, None), (1, B.transpose(1, 2), a.scaling)):
+                        write_segment(self.layout, self.pool, base + placement.seg_offsets[seg],
+                                      seg, rows, scaling)
             self._version = self.state.version
         return self.pool[layer].view(-1, PAGE_SIZE)
 
