@@ -563,11 +563,12 @@ class TritonBackend:
         rows = list(zip(module.out_features, module.out_offsets, strict=True))
         if batch.max_blocks == 0:
             return
-        # The shrink of this batch and module zeroed h if it split K.
-        _, split_k, _ = self._shrink_launch(batch, slots.max_rank, module.in_features,
-                                            module.count, h.device)
+        # The shrink of this batch and module zeroed h if it ran on jobs
+        # (stream-K) or split K.
+        zeroed = batch.jobs is not None or self._shrink_launch(
+            batch, slots.max_rank, module.in_features, module.count, h.device)[1] > 1
         self._expand(h, pool, y, batch, slots, layout, rows, 2 * module.first + 1,
-                     h_zeroed=split_k > 1 or batch.jobs is not None)
+                     h_zeroed=zeroed)
 
     # Backward: the same two kernels with the segments' roles swapped, one
     # slice per launch (each slice has its own input columns, or, for dx,
