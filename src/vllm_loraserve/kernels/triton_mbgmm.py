@@ -33,6 +33,36 @@ from vllm_loraserve.paging.layout import LayerLayout
 
 
 @triton.jit
+def _shrink_columns(x_ptr, pool_ptr, page_row, toks, m_mask, offs_n, n_mask, seg_off, rank,
+                    k_lo, k_hi, K, page_size, stride_xt,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    EVEN_K: tl.constexpr, PANEL: tl.constexpr):
+    """x[toks, k_lo:k_hi] @ A[offs_n, k_lo:k_hi].T in fp32, BK columns a
+    step: the two shrinks' inner loop (k_lo a multiple of BK)."""
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        if EVEN_K:
+            x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
+                        mask=m_mask[:, None], other=0.0)
+            w_mask = n_mask[None, :]
+        else:
+            k_mask = (k0 + offs_k) < K
+            x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w_mask = n_mask[None, :] & k_mask[:, None]
+        # Each row's BK columns: one run in a panel, inside one page.
+        chunk = seg_off + (k0 // PANEL) * rank * PANEL + offs_n * PANEL + k0 % PANEL
+        page = tl.load(page_row + chunk // page_size, mask=n_mask, other=0)
+        # Panel rows start at multiples of the layout's panel (checked: a
+        # multiple of 16), which lets Triton issue wide loads.
+        base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
+        w = tl.load(pool_ptr + base[None, :] + offs_k[:, None], mask=w_mask, other=0.0)
+        acc += tl.dot(x, w)
+    return acc
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, pool_ptr, h_ptr, tok_ptr, blocks_ptr, nblocks_ptr, rank_ptr, seg_ptr, pages_ptr,
     K, page_size, num_segs, max_pages, seg0,
@@ -46,7 +76,6 @@ def _shrink_kernel(
     n0 = tl.program_id(1) * BN
     s = tl.program_id(2)
     offs_m = tl.arange(0, BM)
-    offs_k = tl.arange(0, BK)
     k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BK) * BK
     k_begin = split * k_span
     # Grid-stride over the step's work blocks: no program is launched for the
@@ -63,25 +92,9 @@ def _shrink_kernel(
             offs_n = n0 + tl.arange(0, BN)
             n_mask = offs_n < rank
             page_row = pages_ptr + slot * max_pages
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for k0 in range(k_begin, tl.minimum(k_begin + k_span, K), BK):
-                if EVEN_K:
-                    x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
-                                mask=m_mask[:, None], other=0.0)
-                    w_mask = n_mask[None, :]
-                else:
-                    k_mask = (k0 + offs_k) < K
-                    x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
-                                mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                    w_mask = n_mask[None, :] & k_mask[:, None]
-                # Each row's BK columns: one run in a panel, inside one page.
-                chunk = seg_off + (k0 // PANEL) * rank * PANEL + offs_n * PANEL + k0 % PANEL
-                page = tl.load(page_row + chunk // page_size, mask=n_mask, other=0)
-                # Panel rows start at multiples of the layout's panel
-                # (checked: a multiple of 16), which lets Triton issue wide loads.
-                base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
-                w = tl.load(pool_ptr + base[None, :] + offs_k[:, None], mask=w_mask, other=0.0)
-                acc += tl.dot(x, w)
+            acc = _shrink_columns(x_ptr, pool_ptr, page_row, toks, m_mask, offs_n, n_mask,
+                                  seg_off, rank, k_begin, tl.minimum(k_begin + k_span, K), K,
+                                  page_size, stride_xt, BM, BN, BK, EVEN_K, PANEL)
             # Only columns below the rank: h past it is never read (no memset),
             # but where h was zeroed (EVEN_H: split-K, and the tile ends inside
             # h), the tile's columns past the rank add the masked weights' 0.
@@ -118,7 +131,6 @@ def _shrink_stream_kernel(
     u = tl.program_id(0) * per
     u_end = tl.minimum(u + per, units)
     offs_m = tl.arange(0, BM)
-    offs_k = tl.arange(0, BK)
     while u < u_end:
         piece = u // chunks
         c0 = u % chunks
@@ -138,22 +150,9 @@ def _shrink_stream_kernel(
             offs_n = n0 + tl.arange(0, BN)
             n_mask = offs_n < rank
             page_row = pages_ptr + slot * max_pages
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for k0 in range(c0 * BK, tl.minimum(c1 * BK, K), BK):
-                if EVEN_K:
-                    x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
-                                mask=m_mask[:, None], other=0.0)
-                    w_mask = n_mask[None, :]
-                else:
-                    k_mask = (k0 + offs_k) < K
-                    x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
-                                mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                    w_mask = n_mask[None, :] & k_mask[:, None]
-                chunk = seg_off + (k0 // PANEL) * rank * PANEL + offs_n * PANEL + k0 % PANEL
-                page = tl.load(page_row + chunk // page_size, mask=n_mask, other=0)
-                base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
-                w = tl.load(pool_ptr + base[None, :] + offs_k[:, None], mask=w_mask, other=0.0)
-                acc += tl.dot(x, w)
+            acc = _shrink_columns(x_ptr, pool_ptr, page_row, toks, m_mask, offs_n, n_mask,
+                                  seg_off, rank, c0 * BK, tl.minimum(c1 * BK, K), K,
+                                  page_size, stride_xt, BM, BN, BK, EVEN_K, PANEL)
             out = h_ptr + s * stride_hs + toks[:, None] * stride_ht + offs_n[None, :]
             tl.atomic_add(out, acc, mask=m_mask[:, None] & n_mask[None, :])
         u += c1 - c0
