@@ -548,8 +548,9 @@ class TritonBackend:
 
     def shrink(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, batch: TokenBatch,
                slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
-        """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T. Where it splits K, all of h
-        is zeroed first; otherwise no other entry of h is written."""
+        """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T. Where it splits K or runs
+        on the batch's jobs (stream-K), all of h is zeroed first; otherwise
+        no other entry of h is written."""
         self._shrink(x, pool, h, batch, slots, layout, module.in_features,
                      2 * module.first, module.count)
 
@@ -558,7 +559,7 @@ class TritonBackend:
         """y[t, slice s columns] += h[s, t, :rank] @ Bt_{slot(t), s}; tokens
         without an adapter and untargeted slices are left as they are. h is
         what `shrink` of the same batch and module wrote: read up to each
-        token's rank, or unmasked where that shrink zeroed it (split K)."""
+        token's rank, or unmasked where that shrink zeroed it."""
         rows = list(zip(module.out_features, module.out_offsets, strict=True))
         if batch.max_blocks == 0:
             return

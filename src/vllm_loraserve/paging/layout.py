@@ -15,8 +15,8 @@ so element (j, c) of a segment at offset `off` sits at
     off + (c // panel) * rank * panel + j * panel + c % panel
 
 A kernel tile of a few rank rows by at most `panel` columns is then one
-contiguous run (rows a full row width apart cost the kernels ~20% of their
-bandwidth: docs/benchmarks/kernels.md, session 18). `page_size` and every
+contiguous run (1.02-1.04x a layer against rows a full row width apart:
+docs/benchmarks/kernels.md, session 18). `page_size` and every
 segment offset are multiples of `align`, itself a multiple of `panel`, so a
 chunk of `panel` elements (or of any divisor of it) that starts at a
 multiple of its size never crosses a page: a kernel looks a page up once per
