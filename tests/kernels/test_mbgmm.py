@@ -241,12 +241,19 @@ def test_a_wrong_page_is_detected():
     assert not torch.allclose(h, want, atol=1e-3)
 
 
-def test_tiles_must_divide_panel():
+def test_column_tiles_must_fit_the_panel():
+    """A tile that crosses a panel, or that does not start runs at multiples
+    of 16 (what the kernels tell Triton), is refused before any launch."""
     sc = Scenario(0, torch.float32)
     module = ModuleSlices.of(sc.layout, MODULES["o"])
-    with pytest.raises(ValueError, match="column tile 128 does not divide the layout's panel 16"):
-        TritonBackend().shrink(torch.randn(2, HIDDEN), sc.pool, torch.zeros(1, 2, MAX_RANK),
-                               make_batch([0, 0]), sc.slots, module, sc.layout)
+    x, h = torch.randn(2, HIDDEN), torch.zeros(1, 2, MAX_RANK)
+    with pytest.raises(ValueError, match="column tile 128 must be a multiple of 16 that divides "
+                                         "the layout's panel 16"):
+        TritonBackend().shrink(x, sc.pool, h, make_batch([0, 0]), sc.slots, module, sc.layout)
+    eights = TritonBackend(expand_tiles=lambda batch, n: Tiles(block_n=8, block_k=16))
+    with pytest.raises(ValueError, match="column tile 8 must be a multiple of 16"):
+        eights.expand(h, sc.pool, torch.zeros(2, HIDDEN), make_batch([0, 0]), sc.slots, module,
+                      sc.layout)
 
 
 def test_unknown_backend():

@@ -33,6 +33,18 @@ from vllm_loraserve.paging.layout import LayerLayout
 
 
 @triton.jit
+def _panel_runs(page_row, seg_off, rank, c0, rows, mask, page_size, PANEL: tl.constexpr):
+    """Pool offsets where the given rank rows of a segment hold column c0 (a
+    multiple of a column tile that divides PANEL): the kernels' twin of
+    paging/layout.py's panels. From there each row's tile is one run inside
+    one page. Runs start at multiples of 16 (segment offsets, pages and
+    panels are; `_check_panel`), which lets Triton issue wide loads."""
+    chunk = seg_off + (c0 // PANEL) * rank * PANEL + rows * PANEL + c0 % PANEL
+    page = tl.load(page_row + chunk // page_size, mask=mask, other=0)
+    return tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
+
+
+@triton.jit
 def _shrink_columns(x_ptr, pool_ptr, page_row, toks, m_mask, offs_n, n_mask, seg_off, rank,
                     k_lo, k_hi, K, page_size, stride_xt,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -51,12 +63,7 @@ def _shrink_columns(x_ptr, pool_ptr, page_row, toks, m_mask, offs_n, n_mask, seg
             x = tl.load(x_ptr + toks[:, None] * stride_xt + (k0 + offs_k)[None, :],
                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w_mask = n_mask[None, :] & k_mask[:, None]
-        # Each row's BK columns: one run in a panel, inside one page.
-        chunk = seg_off + (k0 // PANEL) * rank * PANEL + offs_n * PANEL + k0 % PANEL
-        page = tl.load(page_row + chunk // page_size, mask=n_mask, other=0)
-        # Panel rows start at multiples of the layout's panel (checked: a
-        # multiple of 16), which lets Triton issue wide loads.
-        base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
+        base = _panel_runs(page_row, seg_off, rank, k0, offs_n, n_mask, page_size, PANEL)
         w = tl.load(pool_ptr + base[None, :] + offs_k[:, None], mask=w_mask, other=0.0)
         acc += tl.dot(x, w)
     return acc
@@ -210,11 +217,9 @@ def _expand_kernel(
                 else:
                     hj = tl.load(h_rows + (j0 + offs_j)[None, :],
                                  mask=m_mask[:, None] & j_mask[None, :], other=0.0)
-                # BN columns of row j: one run in a panel, inside one page; the
-                # tile's rows follow each other there.
-                chunk = seg_off + (n0 // PANEL) * rank * PANEL + (j0 + offs_j) * PANEL + n0 % PANEL
-                page = tl.load(page_row + chunk // page_size, mask=j_mask, other=0)
-                base = tl.multiple_of(page.to(tl.int64) * page_size + chunk % page_size, 16)
+                # The tile's rows follow each other in one panel.
+                base = _panel_runs(page_row, seg_off, rank, n0, j0 + offs_j, j_mask, page_size,
+                                   PANEL)
                 w = tl.load(pool_ptr + base[:, None] + tl.arange(0, BN)[None, :],
                             mask=j_mask[:, None] & n_mask[None, :], other=0.0)
                 acc += tl.dot(hj.to(w.dtype), w)
@@ -261,9 +266,8 @@ def _grad_pool_kernel(
         right = tl.load(right_ptr + toks[:, None] * stride_rt + offs_n[None, :],
                         mask=m_mask[:, None] & n_mask[None, :], other=0.0)
         acc += tl.dot(tl.trans(left).to(right.dtype), right)
-    chunk = seg_off + (n0 // PANEL) * rank * PANEL + offs_r * PANEL + n0 % PANEL  # one page
-    page = tl.load(pages_ptr + slot * max_pages + chunk // page_size, mask=r_mask, other=0)
-    base = page.to(tl.int64) * page_size + chunk % page_size
+    base = _panel_runs(pages_ptr + slot * max_pages, seg_off, rank, n0, offs_r, r_mask,
+                       page_size, PANEL)
     tl.atomic_add(dpool_ptr + base[:, None] + tl.arange(0, BN)[None, :], acc,
                   mask=r_mask[:, None] & n_mask[None, :])
 
@@ -391,16 +395,17 @@ def _desc(rows: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tens
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
-def _check_align(layout: LayerLayout, *tile_sizes: int) -> None:
-    """Column tiles must divide the layout's panel (a tile's row is then one
-    run inside one page)."""
+def _check_panel(layout: LayerLayout, *tile_sizes: int) -> None:
+    """Column tiles must be multiples of 16 that divide the layout's panel: a
+    tile's row is then one run inside one page, starting at a multiple of 16
+    (what `_panel_runs` tells Triton)."""
     if layout.panel % 16:
         raise ValueError(f"the Triton kernels need a layout panel that is a multiple of 16, "
                          f"got {layout.panel} (align {layout.align})")
     for t in tile_sizes:
-        if layout.panel % t:
-            raise ValueError(f"column tile {t} does not divide the layout's panel "
-                             f"{layout.panel}: a tile could cross a page")
+        if t % 16 or layout.panel % t:
+            raise ValueError(f"column tile {t} must be a multiple of 16 that divides the "
+                             f"layout's panel {layout.panel}: a tile could cross a page")
 
 
 class TritonBackend:
@@ -465,7 +470,7 @@ class TritonBackend:
             self._shrink_stream(x, pool, h, batch, slots, layout, k, seg0, count)
             return
         t, split_k, grid = self._shrink_launch(batch, slots.max_rank, k, count, x.device)
-        _check_align(layout, t.block_k)
+        _check_panel(layout, t.block_k)
         if split_k > 1:  # the splits add into h
             h.zero_()
         _shrink_kernel[grid](
@@ -485,7 +490,7 @@ class TritonBackend:
         t = self._stream_tiles(batch, k)
         if t.block_n != JOB_ROWS:
             raise ValueError(f"stream tiles of {t.block_n} rank rows for jobs of {JOB_ROWS}")
-        _check_align(layout, t.block_k)
+        _check_panel(layout, t.block_k)
         h.zero_()
         sms = _num_sms(x.device) if x.device.type == "cuda" else 4
         _shrink_stream_kernel[(STREAM_PROGRAMS_PER_SM * sms,)](
@@ -508,7 +513,7 @@ class TritonBackend:
             return
         n_max = max(n for n, _ in desc_rows)
         t = self._expand_tiles(batch, n_max)
-        _check_align(layout, t.block_n)
+        _check_panel(layout, t.block_n)
         col_blocks = triton.cdiv(n_max, t.block_n)
         grid = (block_programs(batch.max_blocks, col_blocks * len(desc_rows), y.device),
                 col_blocks, len(desc_rows))
@@ -604,7 +609,7 @@ class TritonBackend:
         if batch.max_blocks == 0:
             return
         t = self._grad_tiles(batch)
-        _check_align(layout, t.block_n)
+        _check_panel(layout, t.block_n)
         acc = dpool if dpool.dtype == torch.float32 else torch.zeros_like(dpool,
                                                                           dtype=torch.float32)
         for s, (col, n_out) in enumerate(zip(module.out_offsets, module.out_features,
