@@ -9,8 +9,10 @@ the config's name (`pool-100`, ...), or `name@shape/targets` for a run of
 another shape or target set than the default (llama2-7b, qkvo): its out
 tok/s, ratio to the `none` of the same results file (same machine, same
 call), roofline efficiency where the pool measured it, and the run's device,
-vLLM, commit and date. Nothing is typed by hand; a config measured twice is
-an error (say which run counts by passing only that one).
+vLLM, commit and date, and `off_protocol` where the run used bench_e2e.py's
+diagnostic flags (`--warm-adapters`, `--pool-config`). Nothing is typed by
+hand; a config measured twice is an error (say which run counts by passing
+only that one).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import json
 
 DEFAULT = ("llama2-7b", "qkvo")
+PROTOCOL = {"warm_adapters": 100, "pool_config": {}}  # bench_e2e.py's defaults
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -42,6 +45,12 @@ def summarize(runs: list[dict]) -> dict:
                 "adapter_bytes_per_step": r.get("adapter_bytes_per_step"),
                 "device": run["gpu"], "vllm": run.get("vllm"), "commit": run.get("commit"),
                 "date": run.get("date"), "ranks": run.get("ranks")}
+            # A run off the protocol's defaults says so (bench_e2e.py's
+            # diagnostic flags): its numbers are not the protocol's.
+            off = {k: run[k] for k, default in PROTOCOL.items()
+                   if run.get(k, default) != default}
+            if off:
+                out[key]["off_protocol"] = off
     return out
 
 
