@@ -179,7 +179,7 @@ def workload(n_adapters: int, vocab: int = 32000, seed: int = 0, num: int = 1000
 # -- one config (child) -------------------------------------------------------------
 def run_config(name: str, model: str, adapters_root: str, out: str, profile: int,
                targets: str, max_rank: int, warm_adapters: int = 100,
-               pool_config: dict | None = None) -> None:
+               pool_config: dict | None = None, profile_cpu: bool = True) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
@@ -226,7 +226,7 @@ def run_config(name: str, model: str, adapters_root: str, out: str, profile: int
     lora = [lreqs[i] for i in adapters] if adapters is not None and lreqs else None
     if profile:
         return _profile(llm, name, prompts[:profile], params[:profile],
-                        lora[:profile] if lora else None, out)
+                        lora[:profile] if lora else None, out, profile_cpu)
     m0 = _metrics(llm)
     if plugin:  # drain the warm-up's load events
         before = llm.collective_rpc("loraserve_residency")[0]["pool"]
@@ -277,19 +277,49 @@ def run_config(name: str, model: str, adapters_root: str, out: str, profile: int
     json.dump(res, open(os.path.join(out, f"{name}.json"), "w"), indent=1)
 
 
-def _profile(llm, name, prompts, params, lora, out) -> None:
-    """torch.profiler over a short run (engine core in this process: see main)."""
+# The pool's kernels (kernels/triton_mbgmm.py), by name.
+LORA_KERNELS = ("_shrink_kernel", "_shrink_stream_kernel", "_expand_kernel")
+
+
+def gpu_busy(events, wall_s: float) -> dict:
+    """Seconds some kernel or copy ran on the GPU (the union of their
+    intervals), against the run's wall time: the rest is the GPU waiting for
+    the host. Also the pool's kernels' own seconds."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type.name == "CUDA")
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    lora = sum(e.time_range.end - e.time_range.start for e in events
+               if e.device_type.name == "CUDA" and e.name.startswith(LORA_KERNELS))
+    return {"wall_s": round(wall_s, 3), "busy_s": round(busy / 1e6, 3),
+            "idle_s": round(wall_s - busy / 1e6, 3), "lora_kernel_s": round(lora / 1e6, 3),
+            "device_events": len(spans)}
+
+
+def _profile(llm, name, prompts, params, lora, out, cpu: bool = True) -> None:
+    """torch.profiler over a short run (engine core in this process: see main);
+    `cpu`: trace host ops too (their cost slows the host), else only the GPU's
+    kernels and copies."""
     from torch.profiler import ProfilerActivity, profile
     from vllm.inputs import TokensPrompt
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])
+    with profile(activities=acts) as prof:
         t = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                      lora_request=lora, use_tqdm=False)
         dt = time.perf_counter() - t
     table = prof.key_averages()
+    busy = gpu_busy(prof.events(), dt)
+    json.dump(busy, open(os.path.join(out, f"busy-{name}.json"), "w"), indent=1)
+    log(f"{name}: GPU busy {busy['busy_s']:.2f} of {dt:.2f} s; LoRA kernels "
+        f"{busy['lora_kernel_s']:.2f} s")
     with open(os.path.join(out, f"profile-{name}.txt"), "w") as f:
         f.write(f"{name}: {len(prompts)} requests in {dt:.2f} s (profiled)\n\n")
+        f.write(json.dumps(busy) + "\n\n")
         f.write(table.table(sort_by="self_cuda_time_total", row_limit=25) + "\n")
         f.write(table.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
     log(f"{name}: profile written")
@@ -371,14 +401,19 @@ def main() -> None:
                          "'loraserve'), e.g. '{\"host_cache_bytes\": 60000000000}'")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="instead of the timed run, profile the first N requests "
-                         "(torch.profiler, engine core in-process) into profile-CONFIG.txt")
+                         "(torch.profiler, engine core in-process) into profile-CONFIG.txt, "
+                         "and the GPU's busy time into busy-CONFIG.json")
+    ap.add_argument("--profile-gpu-only", action="store_true",
+                    help="trace only the GPU's kernels and copies (tracing host ops slows "
+                         "the host, which matters where the host paces the steps)")
     a = ap.parse_args()
     ranks = tuple(int(r) for r in a.ranks.split(","))
     model, adapters = asset_dirs(a.root, a.shape, a.targets, ranks)
     os.makedirs(a.out, exist_ok=True)
     if a.child:
         return run_config(a.child, model, adapters, a.out, a.profile, a.targets, max(ranks),
-                          a.warm_adapters, json.loads(a.pool_config))
+                          a.warm_adapters, json.loads(a.pool_config),
+                          not a.profile_gpu_only)
     configs = a.configs.split(",")
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
@@ -408,7 +443,9 @@ def main() -> None:
                                      "--shape", a.shape, "--targets", a.targets,
                                      "--ranks", a.ranks, "--warm-adapters",
                                      str(a.warm_adapters), "--pool-config", a.pool_config,
-                                     "--out", a.out, "--profile", str(a.profile)], env=env,
+                                     "--out", a.out, "--profile", str(a.profile),
+                                     *(["--profile-gpu-only"] if a.profile_gpu_only else [])],
+                                    env=env,
                                     stdout=lf, stderr=subprocess.STDOUT,
                                     timeout=a.timeout_s).returncode
             except subprocess.TimeoutExpired:

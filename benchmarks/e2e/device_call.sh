@@ -65,7 +65,7 @@ case $what in
   profile)
     within python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --profile 400 --out "$work" \
       --timeout-s 240 ${BENCH_ARGS:-}
-    cp "$work"/profile-*.txt "$OUT"/ ;;
+    cp "$work"/profile-*.txt "$work"/busy-*.json "$OUT"/ ;;
   online)
     within python3 benchmarks/e2e/online_ttft.py --configs "$arg" --rate 12 --duration 30 \
       --out "$work" ${ONLINE_ARGS:-}
