@@ -176,6 +176,56 @@ def workload(n_adapters: int, vocab: int = 32000, seed: int = 0, num: int = 1000
     return prompts, out_lens, adapters
 
 
+class Pacing:
+    """Who paces the timed run: the GPU's utilisation (NVML: the share of
+    each sample period in which some kernel ran, sampled every 20 ms), and
+    the CPU seconds of this process and of each engine process it started,
+    over the run's wall time. An engine process near 1.0 CPU while the GPU
+    is well below 1.0 is bound by its host."""
+
+    def __enter__(self) -> Pacing:
+        import threading
+
+        import psutil
+
+        self._samples: list[int] = []
+        self._stop = threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception as e:  # no NVML here: the CPU side is still measured
+            log(f"no GPU utilisation: {e!r}")
+            gpu = None
+
+        def sample() -> None:
+            while gpu is not None and not self._stop.wait(0.02):
+                self._samples.append(pynvml.nvmlDeviceGetUtilizationRates(gpu).gpu)
+
+        me = psutil.Process()
+        self._procs = [me, *me.children(recursive=True)]
+        self._cpu0 = [sum(p.cpu_times()[:2]) for p in self._procs]
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = time.perf_counter() - self._t0
+        self._stop.set()
+        self._thread.join()
+        cpu = {}
+        for p, c0 in zip(self._procs, self._cpu0, strict=True):
+            try:
+                cpu[f"{p.name()}-{p.pid}"] = round((sum(p.cpu_times()[:2]) - c0) / wall, 3)
+            except Exception:  # an engine helper that exited
+                continue
+        util = self._samples
+        self.result = {"gpu_util_mean": round(sum(util) / len(util) / 100, 3) if util else None,
+                       "gpu_util_samples": len(self._samples), "cpu_per_wall": cpu}
+
+
 # -- one config (child) -------------------------------------------------------------
 def run_config(name: str, model: str, adapters_root: str, out: str, profile: int,
                targets: str, max_rank: int, warm_adapters: int = 100,
@@ -231,9 +281,11 @@ def run_config(name: str, model: str, adapters_root: str, out: str, profile: int
     if plugin:  # drain the warm-up's load events
         before = llm.collective_rpc("loraserve_residency")[0]["pool"]
     t = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                        lora_request=lora, use_tqdm=False)
+    with Pacing() as pacing:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                            lora_request=lora, use_tqdm=False)
     dt = time.perf_counter() - t
+    res["pacing"] = pacing.result
     m1 = _metrics(llm)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
