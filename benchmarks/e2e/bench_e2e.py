@@ -229,7 +229,8 @@ class Pacing:
 # -- one config (child) -------------------------------------------------------------
 def run_config(name: str, model: str, adapters_root: str, out: str, profile: int,
                targets: str, max_rank: int, warm_adapters: int = 100,
-               pool_config: dict | None = None, profile_cpu: bool = True) -> None:
+               pool_config: dict | None = None, profile_cpu: bool = True,
+               engine_kw: dict | None = None) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
@@ -238,6 +239,7 @@ def run_config(name: str, model: str, adapters_root: str, out: str, profile: int
     kw = dict(model=model, load_format="dummy", dtype="bfloat16",
               max_model_len=2048, gpu_memory_utilization=0.9, seed=0, disable_log_stats=False)
     kw.update(POOL_KW if plugin else {}, **extra)
+    kw.update(engine_kw or {})
     if plugin and pool_config:
         kw["additional_config"] = {"loraserve": dict(pool_config)}
     if kw.get("enable_lora"):
@@ -451,6 +453,10 @@ def main() -> None:
     ap.add_argument("--pool-config", default="{}", metavar="JSON",
                     help="the plugin's settings for the pool configs (additional_config "
                          "'loraserve'), e.g. '{\"host_cache_bytes\": 60000000000}'")
+    ap.add_argument("--engine-kw", default="{}", metavar="JSON",
+                    help="vLLM engine arguments for every config, e.g. "
+                         "'{\"compilation_config\": {\"max_cudagraph_capture_size\": 1024}}' "
+                         "(off the protocol: recorded in the results)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="instead of the timed run, profile the first N requests "
                          "(torch.profiler, engine core in-process) into profile-CONFIG.txt, "
@@ -465,7 +471,7 @@ def main() -> None:
     if a.child:
         return run_config(a.child, model, adapters, a.out, a.profile, a.targets, max(ranks),
                           a.warm_adapters, json.loads(a.pool_config),
-                          not a.profile_gpu_only)
+                          not a.profile_gpu_only, json.loads(a.engine_kw))
     configs = a.configs.split(",")
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
@@ -483,6 +489,7 @@ def main() -> None:
                "date": time.strftime("%Y-%m-%d"), "shape": a.shape, "targets": a.targets,
                "ranks": list(ranks), "distinct_weight_sets": a.distinct,
                "warm_adapters": a.warm_adapters, "pool_config": json.loads(a.pool_config),
+               "engine_kw": json.loads(a.engine_kw),
                "copy_bw_bytes_s": round(copy_bandwidth()), "configs": {}}
     log(f"copy bandwidth {summary['copy_bw_bytes_s'] / 1e12:.2f} TB/s (read + write)")
     for c in configs:
@@ -495,6 +502,7 @@ def main() -> None:
                                      "--shape", a.shape, "--targets", a.targets,
                                      "--ranks", a.ranks, "--warm-adapters",
                                      str(a.warm_adapters), "--pool-config", a.pool_config,
+                                     "--engine-kw", a.engine_kw,
                                      "--out", a.out, "--profile", str(a.profile),
                                      *(["--profile-gpu-only"] if a.profile_gpu_only else [])],
                                     env=env,

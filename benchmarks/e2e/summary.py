@@ -10,7 +10,7 @@ another shape or target set than the default (llama2-7b, qkvo): its out
 tok/s, ratio to the `none` of the same results file (same machine, same
 call), roofline efficiency where the pool measured it, and the run's device,
 vLLM, commit and date, and `off_protocol` where the run used bench_e2e.py's
-diagnostic flags (`--warm-adapters`, `--pool-config`). Nothing is typed by
+diagnostic flags (`--warm-adapters`, `--pool-config`, `--engine-kw`). Nothing is typed by
 hand; a config measured twice is an error (say which run counts by passing
 only that one).
 """
@@ -21,7 +21,7 @@ import argparse
 import json
 
 DEFAULT = ("llama2-7b", "qkvo")
-PROTOCOL = {"warm_adapters": 100, "pool_config": {}}  # bench_e2e.py's defaults
+PROTOCOL = {"warm_adapters": 100, "pool_config": {}, "engine_kw": {}}  # bench_e2e.py's defaults
 
 
 def summarize(runs: list[dict]) -> dict:
