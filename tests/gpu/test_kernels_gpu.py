@@ -136,3 +136,43 @@ def test_page_writer_equals_the_torch_writer(streams_dtype):
     for layer in range(4):
         assert torch.equal(out["triton"][layer], out["torch"][layer])
         assert not torch.equal(out["triton"][layer], kv[layer])
+
+
+def test_direct_launch_equals_tritons_own_and_keys_alignment():
+    """After its first launch, the module path launches the compiled variant
+    directly (kernels/launch.py). Those launches give Triton's own result bit
+    for bit; a y that is not 16-byte aligned, which Triton compiles another
+    variant for, gets its own entry, and its result is still right."""
+    from vllm_loraserve.kernels.batch import TokenBatchBuffers
+    from vllm_loraserve.kernels.triton_mbgmm import TritonBackend
+
+    rng, dev = random.Random(5), "cuda"
+    layout, pool, slots, n_adapters = _scenario(rng, dev)
+    m = ModuleSlices.of(layout, ["q_proj", "k_proj", "v_proj"])
+    width = sum(m.out_features)
+    buffers = TokenBatchBuffers(max_tokens=64, max_slots=n_adapters, block_m=16,
+                                max_rank=slots.max_rank, device=dev)
+    batch = buffers.fill([rng.randrange(n_adapters) for _ in range(40)], slots.rank)
+    backend = TritonBackend()
+    x = torch.randn(40, m.in_features, device=dev).to(torch.bfloat16)
+    y0 = torch.randn(40, width, device=dev).to(torch.bfloat16)
+    h = torch.empty(m.count, 40, 128, device=dev)
+    backend.shrink(x, pool, h, batch, slots, m, layout)
+    outs = []
+    for _ in range(3):
+        y = y0.clone()
+        backend.expand(h, pool, y, batch, slots, m, layout)
+        outs.append(y)
+    (launch,) = [plan[1] for key, plan in backend._plans.items() if key[0] == "expand"]
+    assert len(launch._compiled) == 1
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    want = y0.clone()
+    get_backend("torch").expand(h, pool, want, batch, slots, m, layout)
+    torch.testing.assert_close(outs[0].float(), want.float(), atol=5e-2, rtol=2e-2)
+    for _ in range(2):
+        odd = torch.empty(40 * width + 1, device=dev, dtype=torch.bfloat16)[1:].view(40, width)
+        assert odd.data_ptr() % 16
+        odd.copy_(y0)
+        backend.expand(h, pool, odd, batch, slots, m, layout)
+        assert torch.equal(odd, outs[0])
+    assert len(launch._compiled) == 2

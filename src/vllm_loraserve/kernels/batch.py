@@ -300,7 +300,12 @@ class ModuleSlices:
             raise ValueError(f"slices {list(names)} do not share one input size")
         return cls(idx[0], len(idx), specs[0].in_features, tuple(s.out_features for s in specs))
 
-    @property
+    @functools.cached_property
     def out_offsets(self) -> tuple[int, ...]:
         """Column of each slice's first output in the module's output."""
         return tuple(int(x) for x in np.cumsum((0, *self.out_features))[:-1])
+
+    @functools.cached_property
+    def out_rows(self) -> tuple[tuple[int, int], ...]:
+        """(output columns, first output column) per slice."""
+        return tuple(zip(self.out_features, self.out_offsets, strict=True))

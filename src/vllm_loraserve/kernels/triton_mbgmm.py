@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from vllm_loraserve.kernels.batch import JOB_ROWS, ModuleSlices, SlotTable, TokenBatch
+from vllm_loraserve.kernels.launch import Launcher
 from vllm_loraserve.paging.layout import LayerLayout
 
 
@@ -408,6 +410,9 @@ def _check_panel(layout: LayerLayout, *tile_sizes: int) -> None:
                              f"layout's panel {layout.panel}: a tile could cross a page")
 
 
+MAX_PLANS = 4096  # launch plans a backend keeps (see TritonBackend._bound_plans)
+
+
 class TritonBackend:
     name = "triton"
 
@@ -420,6 +425,16 @@ class TritonBackend:
         self._stream_tiles = stream_tiles
         self._grad_tiles = grad_tiles
         self._launches: dict[tuple, tuple[Tiles, int, tuple[int, int, int]]] = {}
+        # Launch plans of the serving path's kernels, by what fixes their grid
+        # and compile-time arguments (a few per module kind and batch shape).
+        self._plans: dict[tuple, Any] = {}
+
+    def _bound_plans(self) -> None:
+        """Serving needs a few plans per module kind and batch shape; eager
+        callers (training) bring a new block count each step, so the table
+        is emptied rather than grown without end."""
+        if len(self._plans) >= MAX_PLANS:
+            self._plans.clear()
 
     def page_writer(self, pages: list[torch.Tensor]):
         """Writes a load's pages of every layer in one launch (the torch
@@ -487,22 +502,27 @@ class TritonBackend:
     def _shrink_stream(self, x, pool, h, batch, slots, layout, k, seg0, count) -> None:
         """As `_shrink`, over the batch's jobs (stream-K): all of h zeroed
         first, each piece added into it. The grid is fixed by the device."""
-        t = self._stream_tiles(batch, k)
-        if t.block_n != JOB_ROWS:
-            raise ValueError(f"stream tiles of {t.block_n} rank rows for jobs of {JOB_ROWS}")
-        _check_panel(layout, t.block_k)
+        key = ("stream", batch.block_m, batch.max_blocks, k, count, layout.panel, x.device)
+        launch = self._plans.get(key)
+        if launch is None:
+            self._bound_plans()
+            t = self._stream_tiles(batch, k)
+            if t.block_n != JOB_ROWS:
+                raise ValueError(f"stream tiles of {t.block_n} rank rows for jobs of {JOB_ROWS}")
+            _check_panel(layout, t.block_k)
+            sms = _num_sms(x.device) if x.device.type == "cuda" else 4
+            launch = self._plans[key] = Launcher(
+                _shrink_stream_kernel, (STREAM_PROGRAMS_PER_SM * sms,),
+                dict(BM=batch.block_m, BN=t.block_n, BK=t.block_k, COUNT=count,
+                     EVEN_K=k % t.block_k == 0, PANEL=layout.panel, num_warps=t.num_warps,
+                     num_stages=t.num_stages,
+                     **({"maxnreg": t.max_regs} if t.max_regs and x.device.type == "cuda"
+                        else {})))
         h.zero_()
-        sms = _num_sms(x.device) if x.device.type == "cuda" else 4
-        _shrink_stream_kernel[(STREAM_PROGRAMS_PER_SM * sms,)](
-            x, pool, h, batch.sorted_tokens, batch.blocks, slots.rank, slots.seg_offsets,
-            slots.pages, batch.jobs, batch.num_jobs_dev,
-            k, layout.page_size, layout.num_segments, slots.pages.shape[1], seg0,
-            x.stride(0), h.stride(0), h.stride(1),
-            BM=batch.block_m, BN=t.block_n, BK=t.block_k, COUNT=count,
-            EVEN_K=k % t.block_k == 0, PANEL=layout.panel, num_warps=t.num_warps,
-            num_stages=t.num_stages,
-            **({"maxnreg": t.max_regs} if t.max_regs and x.device.type == "cuda" else {}),
-        )
+        launch(x, pool, h, batch.sorted_tokens, batch.blocks, slots.rank, slots.seg_offsets,
+               slots.pages, batch.jobs, batch.num_jobs_dev,
+               k, layout.page_size, layout.num_segments, slots.pages.shape[1], seg0,
+               x.stride(0), h.stride(0), h.stride(1))
 
     def _expand(self, h, pool, y, batch, slots, layout, desc_rows, seg0,
                 h_zeroed: bool = False) -> None:
@@ -511,22 +531,28 @@ class TritonBackend:
         must write disjoint columns (programs of different s run at once)."""
         if batch.max_blocks == 0:
             return
-        n_max = max(n for n, _ in desc_rows)
-        t = self._expand_tiles(batch, n_max)
-        _check_panel(layout, t.block_n)
-        col_blocks = triton.cdiv(n_max, t.block_n)
-        grid = (block_programs(batch.max_blocks, col_blocks * len(desc_rows), y.device),
-                col_blocks, len(desc_rows))
-        _expand_kernel[grid](
-            h, pool, y, batch.sorted_tokens, batch.blocks, batch.num_blocks_dev, slots.rank,
-            slots.seg_offsets, slots.pages, _desc(tuple(desc_rows), y.device),
-            layout.page_size, layout.num_segments, slots.pages.shape[1], seg0,
-            h.stride(0), h.stride(1), y.stride(0),
-            BM=batch.block_m, BN=t.block_n, BK=t.block_k,
-            ALIGNED=all(n % 16 == 0 and col % 16 == 0 for n, col in desc_rows),
-            EVEN_H=h_zeroed and h.shape[-1] % t.block_k == 0, PANEL=layout.panel,
-            num_warps=t.num_warps, num_stages=t.num_stages,
-        )
+        key = ("expand", desc_rows, batch.block_m, batch.max_blocks, h_zeroed, h.shape[-1],
+               layout.panel, y.device)
+        plan = self._plans.get(key)
+        if plan is None:
+            self._bound_plans()
+            n_max = max(n for n, _ in desc_rows)
+            t = self._expand_tiles(batch, n_max)
+            _check_panel(layout, t.block_n)
+            col_blocks = triton.cdiv(n_max, t.block_n)
+            grid = (block_programs(batch.max_blocks, col_blocks * len(desc_rows), y.device),
+                    col_blocks, len(desc_rows))
+            plan = self._plans[key] = (_desc(tuple(desc_rows), y.device), Launcher(
+                _expand_kernel, grid,
+                dict(BM=batch.block_m, BN=t.block_n, BK=t.block_k,
+                     ALIGNED=all(n % 16 == 0 and col % 16 == 0 for n, col in desc_rows),
+                     EVEN_H=h_zeroed and h.shape[-1] % t.block_k == 0, PANEL=layout.panel,
+                     num_warps=t.num_warps, num_stages=t.num_stages)))
+        desc, launch = plan
+        launch(h, pool, y, batch.sorted_tokens, batch.blocks, batch.num_blocks_dev, slots.rank,
+               slots.seg_offsets, slots.pages, desc,
+               layout.page_size, layout.num_segments, slots.pages.shape[1], seg0,
+               h.stride(0), h.stride(1), y.stride(0))
 
     def warm_up(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, y: torch.Tensor,
                 batches: list[TokenBatch], slots: SlotTable, module: ModuleSlices,
@@ -565,7 +591,7 @@ class TritonBackend:
         without an adapter and untargeted slices are left as they are. h is
         what `shrink` of the same batch and module wrote: read up to each
         token's rank, or unmasked where that shrink zeroed it."""
-        rows = list(zip(module.out_features, module.out_offsets, strict=True))
+        rows = module.out_rows
         if batch.max_blocks == 0:
             return
         # The shrink of this batch and module zeroed h if it ran on jobs
@@ -598,7 +624,7 @@ class TritonBackend:
         for s in range(module.count):
             seg = 2 * (module.first + s)
             self._expand(dh[s:s + 1], pool, dx, batch, slots, layout,
-                         [(module.in_features, 0)], seg)
+                         ((module.in_features, 0),), seg)
 
     def grad_pool(self, x: torch.Tensor, h: torch.Tensor, dy: torch.Tensor, dh: torch.Tensor,
                   dpool: torch.Tensor, batch: TokenBatch, slots: SlotTable,
