@@ -4,9 +4,10 @@
 Python before each launch: about 20 µs of host time on the GPU machines
 (benchmarks/kernels/launch_cost.py). vLLM runs every step larger than its
 largest CUDA graph (512 tokens by default) eagerly, and there the pool
-launches two kernels per LoRA module and layer; on an H200 host that was
-~95 µs a module, 12 ms a step at Llama-3-8B all-linear, while the GPU sat
-idle a fifth of the time (docs/benchmarks/e2e.md, session 19).
+launches two kernels per LoRA module and layer. On an H200 host the whole
+`add_lora` took ~95 µs a module, 12 ms a step at Llama-3-8B all-linear,
+and in the e2e run the GPU sat idle about a quarter of the time
+(docs/benchmarks/e2e.md and kernels.md, session 19).
 
 `Launcher` keeps, per specialisation of the runtime arguments, the compiled
 variant that Triton's own launch returned, and launches it directly after
