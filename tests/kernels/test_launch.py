@@ -12,9 +12,10 @@ def test_key_separates_what_triton_specialises_on():
     assert _key(base) == _key(torch.zeros(8, dtype=torch.bfloat16))
     assert _key(base) != _key(base[1:])  # 2 bytes in: not 16-byte aligned
     assert _key(base) != _key(base.float())
-    keys = {n: _key(n) for n in (0, 1, 16, 32, 17, 2 ** 31)}
+    keys = {n: _key(n) for n in (0, 1, 16, 32, 17, 2 ** 31, 2 ** 63)}
     assert keys[16] == keys[32]
-    assert len({keys[0], keys[1], keys[16], keys[17], keys[2 ** 31]}) == 5
+    assert len({keys[0], keys[1], keys[16], keys[17], keys[2 ** 31], keys[2 ** 63]}) == 6
+    assert _key(True) != _key(1) and _key(False) != _key(0)  # Triton: u1, not an int
 
 
 

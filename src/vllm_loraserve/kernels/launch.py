@@ -12,10 +12,14 @@ and in the e2e run the GPU sat idle about a quarter of the time
 `Launcher` keeps, per specialisation of the runtime arguments, the compiled
 variant that Triton's own launch returned, and launches it directly after
 that. The specialisation is keyed conservatively: each tensor's dtype and
-16-byte alignment, each integer's equality to 0 and 1, its divisibility by
-16 and whether it fits 32 bits. Triton keys its variants on a subset of
-these, so a key never maps to a variant compiled for other arguments; at
-worst Triton is asked twice for the same variant (from its cache).
+16-byte alignment; each integer's equality to 0 and 1, its divisibility by
+16 and its width (32 bits, 64, unsigned 64); bools apart from integers.
+Triton (3.3 and later, which launch every parameter, constexprs too) keys
+its variants on a subset of these, so a key never maps to a variant
+compiled for other arguments; at worst Triton is asked twice for the same
+variant (from its cache). Triton's settings read at launch time (its debug
+and instrumentation knobs, pre-run hooks) are those of each key's first
+launch.
 
 Invariant: launches go through `kernel[grid]` (compiling if needed) when the
 tensors are not on CUDA (the Triton interpreter), when a Triton launch hook
@@ -34,15 +38,18 @@ import triton
 
 try:
     from triton import knobs as _knobs
-except ImportError:  # older Triton: no launch hooks to honour
+except ImportError:  # Triton before `knobs`: its launcher differs, no direct launches
     _knobs = None
 
 
 def _key(a: Any) -> tuple:
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, bool):
+        return (bool, a)
     if isinstance(a, int):
-        return (a == 0, a == 1, a % 16 == 0, -(2 ** 31) <= a < 2 ** 31)
+        width = 32 if -(2 ** 31) <= a < 2 ** 31 else 64 if a < 2 ** 63 else 65
+        return (a == 0, a == 1, a % 16 == 0, width)
     return (type(a), a)
 
 
@@ -74,7 +81,7 @@ class Launcher:
         # list and nothing compiled: every launch is Triton's own there.
         params = getattr(kernel, "params", None)
         self._tail = None
-        if params is not None:
+        if params is not None and _knobs is not None:
             runtime = [p for p in params if not p.is_constexpr]
             if params[:len(runtime)] != runtime:
                 raise ValueError(f"{kernel.fn.__name__}: constexpr parameters must come last")
@@ -91,6 +98,6 @@ class Launcher:
         if compiled is None:
             self._compiled[key] = self.kernel[self.grid](*args, **self.meta)
             return
-        stream = torch.cuda.current_stream(first.device).cuda_stream
+        stream = torch.cuda.current_stream().cuda_stream  # Triton's: the current device's
         compiled.run(*self.grid, stream, compiled.function, compiled.packed_metadata, None,
                      None, None, *args, *self._tail)
