@@ -18,7 +18,6 @@ def test_key_separates_what_triton_specialises_on():
     assert _key(True) != _key(1) and _key(False) != _key(0)  # Triton: u1, not an int
 
 
-
 def test_hooks_count_only_when_set(monkeypatch):
     """Newer Triton keeps empty hook chains by default: those are no hook."""
     from vllm_loraserve.kernels import launch

@@ -393,7 +393,9 @@ def grad_tiles(batch: TokenBatch) -> GradTiles:
 
 @functools.lru_cache(maxsize=256)
 def _desc(rows: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
-    """(output columns, first output column) per slice."""
+    """(output columns, first output column) per slice. Cached here, not only
+    in a launch plan: a captured CUDA graph keeps reading the tensor after
+    `TritonBackend._bound_plans` drops the plan (a few shapes exist)."""
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
