@@ -110,6 +110,15 @@ CONTRACT: tuple[Symbol, ...] = (
        why="plain --help lists group titles only: the loraserve group is added"),
     _s("vllm.utils.argparse_utils:FlexibleArgumentParser.parse_args", "self", "args",
        calls=("Found duplicate keys",), why="repeatable flags are no duplicates"),
+    # frontend/graph_sizes.py
+    _p("vllm.config:VllmConfig._set_cudagraph_sizes", "self",
+       why="graphs hold every decode step of a paged-pool engine"),
+    _s("vllm.config:VllmConfig._set_cudagraph_sizes",
+       calls=("max_cudagraph_capture_size", "cudagraph_capture_sizes", "max_num_seqs",
+              "num_speculative_tokens", "max_num_batched_tokens", "512"),
+       why="vLLM's default size, which the plugin raises, is computed there"),
+    _s("vllm.config.compilation:CompilationConfig",
+       attrs=("max_cudagraph_capture_size", "cudagraph_capture_sizes", "cudagraph_mode")),
     # frontend/endpoint.py
     _p("vllm.plugins:load_endpoint_plugins", "supported_tasks", why="endpoint gate"),
     _s("vllm.envs:VLLM_PLUGINS", why="endpoint gate"),

@@ -114,12 +114,13 @@ def use_registered_pinned_memory(environ: MutableMapping[str, str]) -> None:
 def install() -> None:
     """Install every patch (idempotent). Each stays dormant for an engine
     whose config lacks the `loraserve` key."""
-    from vllm_loraserve.frontend import args, endpoint
+    from vllm_loraserve.frontend import args, endpoint, graph_sizes
     from vllm_loraserve.scheduler import scheduler
     from vllm_loraserve.worker import hooks, rendezvous
 
     use_registered_pinned_memory(os.environ)
     args.install()
+    graph_sizes.install()
     endpoint.install_gate()
     scheduler.install()
     hooks.install()
