@@ -7,7 +7,12 @@ same device session):
 - `--shape llama2-7b` (hidden 4096, 32 layers, 32/32 heads, intermediate 11008,
   vocab 32000; the default) or `llama3-8b` (GQA 32/8, intermediate 14336,
   vocab 128256), dummy weights, bf16, gpu_memory_utilization 0.9,
-  max_model_len 2048, vLLM's defaults otherwise (torch.compile, CUDA graphs);
+  max_model_len 2048, vLLM's defaults otherwise (torch.compile, CUDA graphs),
+  except the largest CUDA graph: `--graph-size decode` (the default) gives
+  every config graphs that hold a decode step of max_num_seqs sequences (1024
+  on H100/H200), as the plugin does for its pool (frontend/graph_sizes.py), so
+  that the ratio to `none` is the cost of the LoRA work, not of graphs;
+  `--graph-size N` gives every config graphs up to N tokens (512: vLLM's);
 - 1000 requests, prompt and output lengths U[8,512] (random token ids,
   ignore_eos, temperature 1.0), all passed to one `generate`;
 - adapter of a request ~ power law P(i) ~ (i+1)^-1 over the config's adapters;
@@ -83,6 +88,25 @@ CONFIGS: dict[str, tuple[int, bool, dict]] = {
 # runner's share of every pool config's gap, apart from the pool's own.
 CONFIG_ENV = {"none-v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
 POOL_KW = dict(enable_lora=True, max_loras=1, additional_config={"loraserve": {}})
+GRAPH_KEYS = ("max_cudagraph_capture_size", "cudagraph_capture_sizes")
+# bench_e2e.py's defaults: a run with others is a diagnostic (summary.py says so).
+PROTOCOL = {"warm_adapters": 100, "pool_config": {}, "engine_kw": {}, "graph_size": "decode"}
+
+
+def graph_kw(plugin: bool, graph_size: str) -> dict:
+    """The engine arguments that give a config the run's largest CUDA graph."""
+    if graph_size != "decode":
+        return {"max_cudagraph_capture_size": int(graph_size)}
+    if plugin:
+        return {}  # the plugin's own choice, which this bench measures
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from vllm_loraserve.frontend.graph_sizes import decode_capture_size
+
+    tokens, seqs = EngineArgs.get_batch_defaults(world_size=1)
+    ctx = UsageContext.LLM_CLASS
+    return {"max_cudagraph_capture_size": decode_capture_size(seqs[ctx], 1, tokens[ctx])}
 
 
 def module_dims(shape: dict) -> dict[str, tuple[str, int, int]]:
@@ -230,7 +254,7 @@ class Pacing:
 def run_config(name: str, model: str, adapters_root: str, out: str, profile: int,
                targets: str, max_rank: int, warm_adapters: int = 100,
                pool_config: dict | None = None, profile_cpu: bool = True,
-               engine_kw: dict | None = None) -> None:
+               engine_kw: dict | None = None, graph_size: str = "decode") -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
@@ -240,6 +264,7 @@ def run_config(name: str, model: str, adapters_root: str, out: str, profile: int
               max_model_len=2048, gpu_memory_utilization=0.9, seed=0, disable_log_stats=False)
     kw.update(POOL_KW if plugin else {}, **extra)
     kw.update(engine_kw or {})
+    kw.update(graph_kw(plugin, graph_size))
     if plugin and pool_config:
         kw["additional_config"] = {"loraserve": dict(pool_config)}
     if kw.get("enable_lora"):
@@ -256,6 +281,7 @@ def run_config(name: str, model: str, adapters_root: str, out: str, profile: int
     res["engine_start_s"] = round(time.perf_counter() - t0, 1)
     vc = llm.llm_engine.vllm_config
     res["num_gpu_blocks"] = vc.cache_config.num_gpu_blocks
+    res["graph_max_size"] = vc.compilation_config.max_cudagraph_capture_size
     lreqs = [LoRARequest(f"a{i:04d}", i + 1, os.path.join(adapters_root, "names", f"a{i:04d}"))
              for i in range(n)] if kw.get("enable_lora") and n else []
     if adapters is not None:
@@ -420,6 +446,9 @@ def roofline(summary: dict) -> None:
     for r in summary["configs"].values():
         if not r.get("engine_steps"):
             continue
+        if r.get("graph_max_size") != none.get("graph_max_size"):
+            r["vs_none"] = "graphs differ from none's: no LoRA time"
+            continue
         step = r["gen_s"] / r["engine_steps"]
         r["step_ms"] = round(1e3 * step, 3)
         r["lora_ms_per_step"] = round(1e3 * (step - none_step), 3)
@@ -455,8 +484,12 @@ def main() -> None:
                          "'loraserve'), e.g. '{\"host_cache_bytes\": 60000000000}'")
     ap.add_argument("--engine-kw", default="{}", metavar="JSON",
                     help="vLLM engine arguments for every config, e.g. "
-                         "'{\"compilation_config\": {\"max_cudagraph_capture_size\": 1024}}' "
+                         "'{\"max_num_seqs\": 512}' "
                          "(off the protocol: recorded in the results)")
+    ap.add_argument("--graph-size", default=PROTOCOL["graph_size"], metavar="decode|N",
+                    help="the largest CUDA graph of every config: 'decode' holds a decode "
+                         "step of max_num_seqs sequences (the protocol), N: N tokens (512 "
+                         "is vLLM's default)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="instead of the timed run, profile the first N requests "
                          "(torch.profiler, engine core in-process) into profile-CONFIG.txt, "
@@ -465,13 +498,18 @@ def main() -> None:
                     help="trace only the GPU's kernels and copies (tracing host ops slows "
                          "the host, which matters where the host paces the steps)")
     a = ap.parse_args()
+    if a.graph_size != "decode" and not a.graph_size.isdigit():
+        ap.error("--graph-size is 'decode' or a number of tokens")
+    engine_kw = json.loads(a.engine_kw)
+    if any(k in engine_kw or k in engine_kw.get("compilation_config", {}) for k in GRAPH_KEYS):
+        ap.error(f"set the graph sizes with --graph-size, not --engine-kw {GRAPH_KEYS}")
     ranks = tuple(int(r) for r in a.ranks.split(","))
     model, adapters = asset_dirs(a.root, a.shape, a.targets, ranks)
     os.makedirs(a.out, exist_ok=True)
     if a.child:
         return run_config(a.child, model, adapters, a.out, a.profile, a.targets, max(ranks),
                           a.warm_adapters, json.loads(a.pool_config),
-                          not a.profile_gpu_only, json.loads(a.engine_kw))
+                          not a.profile_gpu_only, engine_kw, a.graph_size)
     configs = a.configs.split(",")
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
@@ -489,7 +527,7 @@ def main() -> None:
                "date": time.strftime("%Y-%m-%d"), "shape": a.shape, "targets": a.targets,
                "ranks": list(ranks), "distinct_weight_sets": a.distinct,
                "warm_adapters": a.warm_adapters, "pool_config": json.loads(a.pool_config),
-               "engine_kw": json.loads(a.engine_kw),
+               "engine_kw": engine_kw, "graph_size": a.graph_size,
                "copy_bw_bytes_s": round(copy_bandwidth()), "configs": {}}
     log(f"copy bandwidth {summary['copy_bw_bytes_s'] / 1e12:.2f} TB/s (read + write)")
     for c in configs:
@@ -502,7 +540,7 @@ def main() -> None:
                                      "--shape", a.shape, "--targets", a.targets,
                                      "--ranks", a.ranks, "--warm-adapters",
                                      str(a.warm_adapters), "--pool-config", a.pool_config,
-                                     "--engine-kw", a.engine_kw,
+                                     "--engine-kw", a.engine_kw, "--graph-size", a.graph_size,
                                      "--out", a.out, "--profile", str(a.profile),
                                      *(["--profile-gpu-only"] if a.profile_gpu_only else [])],
                                     env=env,

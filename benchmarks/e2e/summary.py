@@ -10,8 +10,9 @@ another shape or target set than the default (llama2-7b, qkvo): its out
 tok/s, ratio to the `none` of the same results file (same machine, same
 call), roofline efficiency where the pool measured it, and the run's device,
 vLLM, commit and date, and `off_protocol` where the run used bench_e2e.py's
-diagnostic flags (`--warm-adapters`, `--pool-config`, `--engine-kw`). Nothing is typed by
-hand; a config measured twice is an error (say which run counts by passing
+diagnostic flags (`--warm-adapters`, `--pool-config`, `--engine-kw`, `--graph-size`;
+a run from before `--graph-size` had vLLM's default graphs, up to 512 tokens). Nothing is
+typed by hand; a config measured twice is an error (say which run counts by passing
 only that one).
 """
 
@@ -20,15 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 
+from bench_e2e import PROTOCOL
+
 DEFAULT = ("llama2-7b", "qkvo")
-PROTOCOL = {"warm_adapters": 100, "pool_config": {}, "engine_kw": {}}  # bench_e2e.py's defaults
+BEFORE = {"graph_size": "512"}  # what a run from before a protocol key had
 
 
 def summarize(runs: list[dict]) -> dict:
     out: dict = {}
     for run in runs:
         shape = (run.get("shape", DEFAULT[0]), run.get("targets", DEFAULT[1]))
-        none = run["configs"].get("none", {}).get("out_tok_s")
+        none_run = run["configs"].get("none", {})
+        none = none_run.get("out_tok_s")
         for name, r in run["configs"].items():
             # Measured: the child wrote its results (an older bench_e2e.py
             # marked one stopped at the time limit during shutdown as failed).
@@ -39,7 +43,9 @@ def summarize(runs: list[dict]) -> dict:
                 raise SystemExit(f"{key} is in two runs: pass one of them")
             out[key] = {
                 "out_tok_s": r["out_tok_s"],
-                "ratio_to_none": round(r["out_tok_s"] / none, 3) if none else None,
+                # Only against a `none` with the same CUDA graphs (bench_e2e.py).
+                "ratio_to_none": round(r["out_tok_s"] / none, 3)
+                if none and r.get("graph_max_size") == none_run.get("graph_max_size") else None,
                 "roofline_efficiency": r.get("roofline_efficiency"),
                 "lora_ms_per_step": r.get("lora_ms_per_step"),
                 "adapter_bytes_per_step": r.get("adapter_bytes_per_step"),
@@ -47,8 +53,8 @@ def summarize(runs: list[dict]) -> dict:
                 "date": run.get("date"), "ranks": run.get("ranks")}
             # A run off the protocol's defaults says so (bench_e2e.py's
             # diagnostic flags): its numbers are not the protocol's.
-            off = {k: run[k] for k, default in PROTOCOL.items()
-                   if run.get(k, default) != default}
+            off = {k: run.get(k, BEFORE.get(k)) for k, default in PROTOCOL.items()
+                   if run.get(k, BEFORE.get(k, default)) != default}
             if off:
                 out[key]["off_protocol"] = off
     return out

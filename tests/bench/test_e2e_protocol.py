@@ -1,0 +1,58 @@
+"""benchmarks/e2e without a GPU: a config's ratio to `none` and its LoRA time
+exist only where both ran the same CUDA graphs, and a run off the protocol
+(or from before `--graph-size`) is marked so in the summary."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "e2e"))
+import bench_e2e  # noqa: E402
+import summary  # noqa: E402
+
+sys.path.pop(0)
+
+
+def _config(tok_s: float, graphs: int | None, steps: int = 500) -> dict:
+    r = {"out_tok_s": tok_s, "gen_s": 1000 * 250 / tok_s, "engine_steps": steps}
+    return r if graphs is None else {**r, "graph_max_size": graphs}
+
+
+def _run(configs: dict, **protocol) -> dict:
+    return {"gpu": "H200", "vllm": "0.26.0", "commit": "c", "date": "d",
+            "copy_bw_bytes_s": 4e12, "configs": configs, **protocol}
+
+
+def test_ratio_and_lora_time_only_against_the_same_graphs():
+    run = _run({"none": _config(10000, 1024), "pool-100": _config(8000, 1024),
+                "stock-100": _config(5000, 512)}, graph_size="decode")
+    bench_e2e.roofline(run)
+    pool, stock = run["configs"]["pool-100"], run["configs"]["stock-100"]
+    assert pool["lora_ms_per_step"] == pytest.approx(1e3 * (31.25 - 25) / 500, abs=1e-3)
+    assert "lora_ms_per_step" not in stock and "graphs differ" in stock["vs_none"]
+    out = summary.summarize([run])
+    assert out["pool-100"]["ratio_to_none"] == 0.8
+    assert out["stock-100"]["ratio_to_none"] is None
+    assert "off_protocol" not in out["pool-100"]
+
+
+@pytest.mark.parametrize("protocol, off", [
+    ({}, {"graph_size": "512"}),  # a run from before --graph-size: vLLM's graphs
+    ({"graph_size": "512"}, {"graph_size": "512"}),
+    ({"graph_size": "decode", "warm_adapters": 200}, {"warm_adapters": 200}),
+])
+def test_runs_off_the_protocol_say_so(protocol, off):
+    run = _run({"none": _config(10000, None), "pool-100": _config(8000, None)}, **protocol)
+    assert summary.summarize([run])["pool-100"]["off_protocol"] == off
+
+
+def test_graph_sizes_given_to_each_config():
+    assert bench_e2e.graph_kw(plugin=True, graph_size="decode") == {}  # the plugin's choice
+    assert bench_e2e.graph_kw(plugin=True, graph_size="512") == {
+        "max_cudagraph_capture_size": 512}
+    size = bench_e2e.graph_kw(plugin=False, graph_size="decode")["max_cudagraph_capture_size"]
+    assert size >= 512 and size % 16 == 0
