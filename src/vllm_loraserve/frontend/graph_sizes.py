@@ -13,8 +13,9 @@ throughput (docs/benchmarks/e2e.md, session 20).
 So with the paged pool, when the user gave no capture size
 (`--max-cudagraph-capture-size`, `--cudagraph-capture-sizes` or the same
 keys of `--compilation-config`) and graphs are on, the largest graph holds a
-decode step of max_num_seqs sequences. Where vLLM's default already does, or
-where `--enforce-eager` set the size to 0, nothing changes.
+decode step of max_num_seqs sequences, up to MEASURED_CAP tokens. Where
+vLLM's default already does, or where `--enforce-eager` set the size to 0,
+nothing changes.
 """
 
 from __future__ import annotations
@@ -29,15 +30,20 @@ logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
 
 VLLM_DEFAULT_CAP = 512  # vLLM's largest default graph, whatever max_num_seqs is
 STRIDE = 16  # above 256 tokens vLLM captures every 16th size
+# Every size above 256 adds a graph (capture time, graph memory). Up to 1024
+# tokens the pool's engine started as fast as with vLLM's 512; larger sizes
+# are unmeasured, so they stay the user's choice.
+MEASURED_CAP = 1024
 
 
 def decode_capture_size(max_num_seqs: int, decode_query_len: int,
                         max_num_batched_tokens: int) -> int:
     """The largest graph (tokens) that holds every decode step: at least
-    vLLM's default, rounded up to vLLM's stride, at most a step's tokens."""
+    vLLM's default, rounded up to vLLM's stride, at most a step's tokens and
+    MEASURED_CAP."""
     decode = max_num_seqs * decode_query_len
     size = max(min(2 * decode, VLLM_DEFAULT_CAP), -(-decode // STRIDE) * STRIDE)
-    return min(size, max_num_batched_tokens)
+    return min(size, MEASURED_CAP, max_num_batched_tokens)
 
 
 def cover_decode_steps(vllm_config: Any) -> int | None:
