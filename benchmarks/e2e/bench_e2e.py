@@ -93,8 +93,9 @@ GRAPH_KEYS = ("max_cudagraph_capture_size", "cudagraph_capture_sizes")
 PROTOCOL = {"warm_adapters": 100, "pool_config": {}, "engine_kw": {}, "graph_size": "decode"}
 
 
-def graph_kw(plugin: bool, graph_size: str) -> dict:
-    """The engine arguments that give a config the run's largest CUDA graph."""
+def graph_kw(plugin: bool, graph_size: str, kw: dict) -> dict:
+    """The engine arguments that give a config with engine arguments `kw`
+    the run's largest CUDA graph."""
     if graph_size != "decode":
         return {"max_cudagraph_capture_size": int(graph_size)}
     if plugin:
@@ -104,9 +105,12 @@ def graph_kw(plugin: bool, graph_size: str) -> dict:
 
     from vllm_loraserve.frontend.graph_sizes import decode_capture_size
 
+    # What the plugin sees: vLLM's defaults for LLM(...) unless kw sets them.
     tokens, seqs = EngineArgs.get_batch_defaults(world_size=1)
     ctx = UsageContext.LLM_CLASS
-    return {"max_cudagraph_capture_size": decode_capture_size(seqs[ctx], 1, tokens[ctx])}
+    size = decode_capture_size(kw.get("max_num_seqs") or seqs[ctx], 1,
+                               kw.get("max_num_batched_tokens") or tokens[ctx])
+    return {"max_cudagraph_capture_size": size}
 
 
 def module_dims(shape: dict) -> dict[str, tuple[str, int, int]]:
@@ -264,7 +268,7 @@ def run_config(name: str, model: str, adapters_root: str, out: str, profile: int
               max_model_len=2048, gpu_memory_utilization=0.9, seed=0, disable_log_stats=False)
     kw.update(POOL_KW if plugin else {}, **extra)
     kw.update(engine_kw or {})
-    kw.update(graph_kw(plugin, graph_size))
+    kw.update(graph_kw(plugin, graph_size, kw))
     if plugin and pool_config:
         kw["additional_config"] = {"loraserve": dict(pool_config)}
     if kw.get("enable_lora"):
@@ -498,10 +502,11 @@ def main() -> None:
                     help="trace only the GPU's kernels and copies (tracing host ops slows "
                          "the host, which matters where the host paces the steps)")
     a = ap.parse_args()
-    if a.graph_size != "decode" and not a.graph_size.isdigit():
-        ap.error("--graph-size is 'decode' or a number of tokens")
+    if a.graph_size != "decode" and not (a.graph_size.isdigit() and int(a.graph_size) >= 1):
+        ap.error("--graph-size is 'decode' or a number of tokens (at least 1)")
     engine_kw = json.loads(a.engine_kw)
-    if any(k in engine_kw or k in engine_kw.get("compilation_config", {}) for k in GRAPH_KEYS):
+    if any(k in engine_kw or k in (engine_kw.get("compilation_config") or {})
+           for k in GRAPH_KEYS):
         ap.error(f"set the graph sizes with --graph-size, not --engine-kw {GRAPH_KEYS}")
     ranks = tuple(int(r) for r in a.ranks.split(","))
     model, adapters = asset_dirs(a.root, a.shape, a.targets, ranks)

@@ -24,7 +24,17 @@ import json
 from bench_e2e import PROTOCOL
 
 DEFAULT = ("llama2-7b", "qkvo")
-BEFORE = {"graph_size": "512"}  # what a run from before a protocol key had
+
+
+def _before(run: dict, key: str, default):
+    """A protocol key of a run from before bench_e2e.py recorded it: such runs
+    had vLLM's graphs (512 tokens) unless --engine-kw gave a size."""
+    if key != "graph_size":
+        return default
+    kw = run.get("engine_kw") or {}
+    size = kw.get("max_cudagraph_capture_size") or (kw.get("compilation_config") or {}).get(
+        "max_cudagraph_capture_size")
+    return str(size or 512)
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -53,8 +63,9 @@ def summarize(runs: list[dict]) -> dict:
                 "date": run.get("date"), "ranks": run.get("ranks")}
             # A run off the protocol's defaults says so (bench_e2e.py's
             # diagnostic flags): its numbers are not the protocol's.
-            off = {k: run.get(k, BEFORE.get(k)) for k, default in PROTOCOL.items()
-                   if run.get(k, BEFORE.get(k, default)) != default}
+            given = {k: run[k] if k in run else _before(run, k, default)
+                     for k, default in PROTOCOL.items()}
+            off = {k: v for k, v in given.items() if v != PROTOCOL[k]}
             if off:
                 out[key]["off_protocol"] = off
     return out

@@ -113,6 +113,8 @@ CONTRACT: tuple[Symbol, ...] = (
     # frontend/graph_sizes.py
     _p("vllm.config:VllmConfig._set_cudagraph_sizes", "self",
        why="graphs hold every decode step of a paged-pool engine"),
+    _s("vllm.config:VllmConfig.__post_init__", calls=("_set_cudagraph_sizes",),
+       why="where vLLM sizes its graphs, once, in the process that builds the config"),
     _s("vllm.config:VllmConfig._set_cudagraph_sizes",
        calls=("max_cudagraph_capture_size", "cudagraph_capture_sizes", "max_num_seqs",
               "num_speculative_tokens", "max_num_batched_tokens", "512"),

@@ -40,8 +40,12 @@ def test_ratio_and_lora_time_only_against_the_same_graphs():
     assert "off_protocol" not in out["pool-100"]
 
 
+GRAPHS_1024 = {"compilation_config": {"max_cudagraph_capture_size": 1024}}
+
+
 @pytest.mark.parametrize("protocol, off", [
     ({}, {"graph_size": "512"}),  # a run from before --graph-size: vLLM's graphs
+    ({"engine_kw": GRAPHS_1024}, {"engine_kw": GRAPHS_1024, "graph_size": "1024"}),
     ({"graph_size": "512"}, {"graph_size": "512"}),
     ({"graph_size": "decode", "warm_adapters": 200}, {"warm_adapters": 200}),
 ])
@@ -50,9 +54,17 @@ def test_runs_off_the_protocol_say_so(protocol, off):
     assert summary.summarize([run])["pool-100"]["off_protocol"] == off
 
 
-def test_graph_sizes_given_to_each_config():
-    assert bench_e2e.graph_kw(plugin=True, graph_size="decode") == {}  # the plugin's choice
-    assert bench_e2e.graph_kw(plugin=True, graph_size="512") == {
-        "max_cudagraph_capture_size": 512}
-    size = bench_e2e.graph_kw(plugin=False, graph_size="decode")["max_cudagraph_capture_size"]
-    assert size >= 512 and size % 16 == 0
+def test_configs_without_the_plugin_get_the_plugins_graphs(monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    # vLLM's defaults for LLM(...) on an H100/H200
+    monkeypatch.setattr(EngineArgs, "get_batch_defaults", classmethod(
+        lambda cls, world_size: ({UsageContext.LLM_CLASS: 16384},
+                                 {UsageContext.LLM_CLASS: 1024})))
+    assert bench_e2e.graph_kw(False, "decode", {}) == {"max_cudagraph_capture_size": 1024}
+    # an engine argument the run sets counts, as it does for the plugin
+    assert bench_e2e.graph_kw(False, "decode", {"max_num_seqs": 600}) == {
+        "max_cudagraph_capture_size": 608}
+    assert bench_e2e.graph_kw(True, "decode", {}) == {}  # the plugin's own choice
+    assert bench_e2e.graph_kw(True, "512", {}) == {"max_cudagraph_capture_size": 512}

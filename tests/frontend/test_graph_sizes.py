@@ -18,6 +18,7 @@ from vllm_loraserve.frontend.graph_sizes import cover_decode_steps, decode_captu
     (64, 1, 8192, 128),  # vLLM's default (2 * max_num_seqs) already holds them
     (1024, 1, 768, 768),  # never above a step's tokens
     (256, 3, 16384, 768),  # speculative decoding: 3 tokens per sequence
+    (200, 3, 16384, 624),  # ... and a multiple of 3 (vLLM drops other sizes there)
     (2048, 1, 16384, 1024),  # larger graphs were not measured: left to the user
 ])
 def test_decode_capture_size(seqs, query_len, tokens, size):

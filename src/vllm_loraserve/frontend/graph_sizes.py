@@ -21,6 +21,7 @@ nothing changes.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from vllm_loraserve._patching import wrap
@@ -40,9 +41,11 @@ def decode_capture_size(max_num_seqs: int, decode_query_len: int,
                         max_num_batched_tokens: int) -> int:
     """The largest graph (tokens) that holds every decode step: at least
     vLLM's default, rounded up to vLLM's stride, at most a step's tokens and
-    MEASURED_CAP."""
+    MEASURED_CAP. With speculative decoding vLLM keeps only sizes that are
+    multiples of the query length, so the size is one of those too."""
     decode = max_num_seqs * decode_query_len
-    size = max(min(2 * decode, VLLM_DEFAULT_CAP), -(-decode // STRIDE) * STRIDE)
+    step = math.lcm(STRIDE, decode_query_len)
+    size = max(min(2 * decode, VLLM_DEFAULT_CAP), -(-decode // step) * step)
     return min(size, MEASURED_CAP, max_num_batched_tokens)
 
 
