@@ -132,7 +132,8 @@ def test_a_split_read_offers_its_pieces_to_the_threads_and_ends_every_piece_befo
     with _Counting(3) as pool:
         spec, raw = read_weights(path, _alloc, BF16_MAX, parts=pool, part_bytes=64)
         pieces = -(-raw.data.numel() // 64)
-        assert pool.submitted == pieces - 1 + len(_groups_of(raw, 64)) - 1 and pieces > 4
+        # The check of values that pass runs over the buffer's own pieces.
+        assert pool.submitted == 2 * (pieces - 1) and pieces > 4
     started, ended = [], []
     second = threading.Event()
     pread = peft._pread_into
@@ -168,11 +169,6 @@ def test_a_split_read_goes_on_while_the_executor_is_busy(tmp_path):
         release.set()
         whole = read_weights(path, _alloc)[1]
         assert torch.equal(raw.data, whole.data) and pool.submitted > 2
-
-
-def _groups_of(raw, part_bytes):
-    sizes = [t.numel() * t.element_size() for ab in raw.tensors().values() for t in ab]
-    return peft._groups(sizes, part_bytes)
 
 
 def test_read_weights_refuses_a_file_that_changed(tmp_path, monkeypatch, read):
@@ -441,6 +437,24 @@ def test_read_weights_checks_the_values_in_the_buffer_it_fills(tmp_path, read):
         read(big, _alloc, FP16_MAX)
     with pytest.raises(BadWeights, match=r"scaling 2\.5e\+29 .* is above 6\.55e\+04"):
         read(_write(tmp_path / "absurd", rank=4, alpha=1e30), _alloc, FP16_MAX)
+
+
+def test_values_that_pass_are_checked_over_the_whole_buffer(tmp_path, monkeypatch):
+    """An adapter whose values pass takes one reduction per piece of its
+    buffer, not one per tensor. Large A values fail that test (scaling *
+    max|value| beyond the dtype), yet pass the tensor by tensor check that
+    follows: only B takes the scaling."""
+    sizes = []
+    abs_max = peft._abs_max
+    monkeypatch.setattr(peft, "_abs_max", lambda t: sizes.append(t.numel()) or abs_max(t))
+    ok = _write(tmp_path / "ok", rank=4, alpha=8)
+    raw = read_weights(ok, _alloc, FP16_MAX)[1]
+    assert sizes == [raw.data.numel() // 4]  # float32 files: every value, once
+    big_a = _write(tmp_path / "big-a", rank=4, alpha=8)  # scaling 2
+    _break(big_a, 1e5, "lora_A")
+    sizes.clear()
+    raw = read_weights(big_a, _alloc, FP16_MAX)[1]
+    assert len(sizes) == 1 + 2 * len(DIMS) and float(abs_max(raw.data.view(torch.float32))) == 1e5
 
 
 # adapter_config.json bytes -> what the message says. Every parser failure

@@ -405,6 +405,12 @@ def test_the_values_are_checked_in_the_read_once_on_a_reader(tmp_path, monkeypat
                 yield name, x, is_b
         return check(spec, seen(), max_value, *args)
 
+    fit = peft._values_fit
+
+    def recorded_fit(spec, data, *args):  # the whole-buffer check every adapter takes first
+        checked.append((threading.current_thread().name, spec.path, in_arena(data)))
+        return fit(spec, data, *args)
+
     maxima_on = set()  # the threads that computed the values' maxima
     abs_max = peft._abs_max
 
@@ -427,6 +433,7 @@ def test_the_values_are_checked_in_the_read_once_on_a_reader(tmp_path, monkeypat
     monkeypatch.setattr(peft, "_pread_into", counted_pread)
     monkeypatch.setattr(peft, "_abs_max", recorded_abs_max)
     monkeypatch.setattr(peft, "check_weight_values", recorded)
+    monkeypatch.setattr(peft, "_values_fit", recorded_fit)
     monkeypatch.setattr(peft, "_read_tensors", lambda path: pytest.fail(f"{path} read twice"))
     for i, path in paths.items():
         assert t.prefetch(FileReq(i, path), ALIGN)

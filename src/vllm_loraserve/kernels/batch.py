@@ -127,8 +127,11 @@ class SlotTable:
             self.staging.issued(slot)
 
     def clear(self, slot: int) -> None:
-        self.rank[slot] = 0
-        self.seg_offsets[slot] = -1
+        # fill_ queues a kernel. `rank[slot] = 0` copies a host scalar, which
+        # made every page load wait for the step in flight on the GPU (~68 ms
+        # a load in the e2e protocol: benchmarks/e2e/load_host_time.py).
+        self.rank[slot:slot + 1].fill_(0)
+        self.seg_offsets[slot].fill_(-1)
 
 
 JOB_ROWS = 32  # rank rows per shrink job (the shrink's tile height over the rank)

@@ -1,0 +1,213 @@
+"""The engine thread's host time for one page load, while the GPU is busy.
+
+In the e2e protocol (Llama-3-8B all-linear, 200 adapters), the timed run's
+70 page loads took 4.8 s of the engine thread's time (`gpu_load_s_timed`),
+about 68 ms each, and the GPU was idle 16% of the run. A load issues
+asynchronous work only (worker/paged_manager.py `_load`: one pinned
+host-to-device copy, the packing on the device, the page writes), so its
+host time should not depend on how much work the GPU has queued. This
+script checks that: it queues `--busy-ms` of GPU work (`torch.cuda._sleep`),
+then times the load's host calls, as the engine does them, from the host
+tier's pinned arena, for adapters of the e2e shape. If a call waits for the
+GPU, its host time grows with `--busy-ms`. Under torch's sync debug mode, each
+synchronizing torch call is counted, and the first one's stack is kept.
+`--readers` runs host-tier reads beside the loads (the engine's reader
+threads share its process, and its GIL); `--free-gb` leaves the device
+nearly full, as an engine's KV cache does (the caching allocator's retries
+and frees are reported).
+
+    python benchmarks/e2e/load_host_time.py --out load_host_time.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+from vllm_loraserve.plugin import use_registered_pinned_memory
+
+use_registered_pinned_memory(os.environ)  # as the engine's processes, before CUDA starts
+
+import torch  # noqa: E402
+
+from vllm_loraserve.adapters.peft import read_weights, short_name, write_adapter  # noqa: E402
+from vllm_loraserve.paging.layout import pack_layers  # noqa: E402
+from vllm_loraserve.paging.model import decoder_slices, max_file_bytes, model_layout  # noqa: E402
+from vllm_loraserve.worker.arena import PinnedArena  # noqa: E402
+from vllm_loraserve.worker.host_tier import HostAdapter  # noqa: E402
+from vllm_loraserve.worker.pool import DevicePool  # noqa: E402
+
+LLAMA3 = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=14336, num_hidden_layers=32)
+PAGE = 32768  # the e2e engine's page: 16 tokens x 8 KV heads x 128 x 2 (K and V)
+MODULE_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+             "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def make_adapter(root: str, rank: int, seed: int) -> str:
+    path = os.path.join(root, f"r{rank}-{seed}")
+    if not os.path.exists(os.path.join(path, "adapter_config.json")):
+        g = torch.Generator().manual_seed(seed)
+        weights = {f"model.layers.{la}.{MODULE_OF[s.name]}.{s.name}": (
+            torch.randn(rank, s.in_features, generator=g).bfloat16() * 0.01,
+            torch.randn(s.out_features, rank, generator=g).bfloat16() * 0.01)
+            for la in range(LLAMA3.num_hidden_layers) for s in decoder_slices(LLAMA3)}
+        write_adapter(path, weights, rank=rank, alpha=2 * rank, base_model="x")
+    return path
+
+
+def host_entry(layout, arena: PinnedArena, path: str) -> HostAdapter:
+    extents = []
+
+    def alloc(n: int) -> torch.Tensor:
+        extents.append(arena.alloc(n))
+        return arena.view(extents[-1], n)
+
+    spec, raw = read_weights(path, alloc, torch.finfo(torch.bfloat16).max)
+    where = {name: (int(name.split(".")[2]), short_name(name)) for name in raw.modules}
+    return HostAdapter(path, layout.place(spec.rank, spec.target_modules), spec.scaling, raw,
+                       where)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", default="16,32,64")
+    ap.add_argument("--busy-ms", default="0,50", help="GPU work queued before each load")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--readers", default="0",
+                    help="host-tier reads running beside the loads (threads reading the "
+                         "adapters in a loop, their reads split over as many part threads, "
+                         "as the engine's host tier does)")
+    ap.add_argument("--free-gb", type=float, default=0,
+                    help="leave only this much device memory free, as an engine whose KV "
+                         "cache took the rest (0: no filling)")
+    ap.add_argument("--root", default="/dev/shm/load-host-time")
+    ap.add_argument("--out", default="load_host_time.json")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    layout = model_layout(LLAMA3, PAGE)
+    ranks = [int(r) for r in a.ranks.split(",")]
+    arena = PinnedArena.for_budget(4 << 30, max_file_bytes(LLAMA3, max(ranks)), pinned=True)
+    entries = {r: host_entry(layout, arena, make_adapter(a.root, r, r)) for r in ranks}
+    pages_needed = max(e.placement.num_pages for e in entries.values())
+    kv = [torch.zeros(4 * pages_needed + 8, PAGE, dtype=torch.bfloat16, device=dev)
+          for _ in range(LLAMA3.num_hidden_layers)]
+    pool = DevicePool(layout.slices, LLAMA3.num_hidden_layers, max(ranks), 8192, 64, 3,
+                      "triton", dev)
+    pool.bind(kv)
+    # cycles per ms of torch.cuda._sleep on this GPU
+    t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t[0].record()
+    torch.cuda._sleep(100_000_000)
+    t[1].record()
+    torch.cuda.synchronize()
+    cycles_per_ms = 100_000_000 / t[0].elapsed_time(t[1])
+
+    def load(entry: HostAdapter, slot: int) -> dict:
+        t0 = time.perf_counter()
+        data = entry.weights.data.to(dev, non_blocking=True)
+        t1 = time.perf_counter()
+        streams = pack_layers(layout, entry.placement,
+                              entry.layer_weights(range(LLAMA3.num_hidden_layers), data),
+                              entry.scaling, torch.bfloat16)
+        t2 = time.perf_counter()
+        ids = tuple(range(1 + slot * pages_needed, 1 + slot * pages_needed
+                          + entry.placement.num_pages))
+        pool.load(slot, slot + 1, entry.placement, ids, streams)
+        t3 = time.perf_counter()
+        return {"copy_ms": (t1 - t0) * 1e3, "pack_ms": (t2 - t1) * 1e3,
+                "write_ms": (t3 - t2) * 1e3, "total_ms": (t3 - t0) * 1e3}
+
+    for e in entries.values():  # every kernel launched once (CUDA's lazy loading)
+        load(e, 0)
+    torch.cuda.synchronize()
+    filler = []  # held to the end
+    if a.free_gb:
+        free, _ = torch.cuda.mem_get_info()
+        filler.append(torch.empty(max(0, free - int(a.free_gb * 2**30)), dtype=torch.uint8,
+                                  device=dev))
+    paths = [make_adapter(a.root, r, 100 + r) for r in ranks]
+    stop = threading.Event()
+
+    def reader(parts: ThreadPoolExecutor) -> None:
+        torch.set_num_threads(1)
+        scratch = torch.empty(max_file_bytes(LLAMA3, max(ranks)), dtype=torch.uint8,
+                              pin_memory=True)
+        while not stop.is_set():
+            for p in paths:
+                read_weights(p, lambda n: scratch[:n], torch.finfo(torch.bfloat16).max,
+                             parts=parts)
+
+    results = []
+    syncs: dict[str, int] = {}
+    conditions = [(float(b), int(n)) for b in a.busy_ms.split(",")
+                  for n in a.readers.split(",")]
+    for busy, readers in conditions:
+        parts = ThreadPoolExecutor(max(readers, 1), initializer=torch.set_num_threads,
+                                   initargs=(1,))
+        threads = [threading.Thread(target=reader, args=(parts,), daemon=True)
+                   for _ in range(readers)]
+        stop.clear()
+        for t in threads:
+            t.start()
+        time.sleep(0.5 if readers else 0)
+        for r, e in entries.items():
+            for rep in range(a.reps):
+                torch.cuda.synchronize()
+                if busy:
+                    torch.cuda._sleep(int(busy * cycles_per_ms))
+                torch.cuda.set_sync_debug_mode("warn")
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    row = load(e, 1 + rep % 3)
+                torch.cuda.set_sync_debug_mode("default")
+                for w in caught:
+                    key = f"{os.path.basename(w.filename)}:{w.lineno}: {w.message}"[:240]
+                    syncs[key] = syncs.get(key, 0) + 1
+                row.update(rank=r, busy_ms=busy, readers=readers, rep=rep,
+                           bytes=e.weights.data.numel())
+                results.append(row)
+                print(json.dumps(row))
+        stop.set()
+        for t in threads:
+            t.join()
+        parts.shutdown()
+    torch.cuda.synchronize()
+    # The first synchronizing torch call of a load, with its stack.
+    torch.cuda._sleep(int(50 * cycles_per_ms))
+    torch.cuda.set_sync_debug_mode("error")
+    first_sync = None
+    try:
+        load(entries[ranks[-1]], 1)
+    except RuntimeError:
+        first_sync = traceback.format_exc(limit=-8)
+        print(first_sync, file=sys.stderr)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "free_gb": a.free_gb, "alloc_retries": stats.get("num_alloc_retries"),
+           "syncs_all_streams": stats.get("num_sync_all_streams"),
+           "device_frees": stats.get("num_device_free"),
+           "cycles_per_ms": cycles_per_ms, "sync_warnings": syncs, "first_sync": first_sync,
+           "loads": results}
+    json.dump(out, open(a.out, "w"), indent=1)
+    print(json.dumps({k: v for k, v in out.items() if k not in ("loads", "first_sync")}))
+    for busy, readers in conditions:
+        rows = [r for r in results if (r["busy_ms"], r["readers"]) == (busy, readers)]
+        print(f"busy {busy:5.0f} ms, {readers} readers: host ms a load, median: " + ", ".join(
+            f"{k} {sorted(r[k] for r in rows)[len(rows) // 2]:.2f}"
+            for k in ("copy_ms", "pack_ms", "write_ms", "total_ms")))
+
+
+if __name__ == "__main__":
+    main()

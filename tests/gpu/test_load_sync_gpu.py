@@ -1,0 +1,55 @@
+"""A page load only queues work: nothing on the engine thread's load path
+waits for the GPU (marker `gpu`; run through the device tool).
+
+A load runs before the step's forward pass, while the previous step may
+still run on the GPU. A call that waits for the device there stalls the
+engine for the rest of that step: `SlotTable.clear`'s scalar assignment did,
+~68 ms a load in the e2e protocol (benchmarks/e2e/load_host_time.py). torch's
+sync debug mode raises on every synchronizing torch call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_loraserve.paging.layout import pack_layers
+from vllm_loraserve.worker.pool import DevicePool
+
+from ..worker.test_cold_start import KV_SHAPE, LAYERS, LAYOUT, MODULES, host_adapter, page_ids
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+DTYPE = torch.bfloat16
+
+
+def test_page_loads_and_evictions_never_wait_for_the_device(tmp_path):
+    entry = host_adapter(tmp_path, "a", 16, ("q_proj", "v_proj", "down_proj"), 1, pin=True)
+    kv = [torch.zeros(KV_SHAPE, dtype=DTYPE, device=DEV) for _ in range(LAYERS)]
+    pool = DevicePool(LAYOUT.slices, LAYERS, max_rank=32, max_tokens=64, max_slots=8,
+                      max_slices=3, backend="triton", device=DEV)
+    pool.bind(kv)
+    pool.warm_up(set(MODULES))
+
+    def load(slot: int) -> None:  # as worker/paged_manager.py `_load`
+        data = entry.weights.data.to(DEV, non_blocking=True)
+        streams = pack_layers(LAYOUT, entry.placement,
+                              entry.layer_weights(range(LAYERS), data), entry.scaling, DTYPE)
+        pool.load(slot, 1, entry.placement, page_ids(entry, 1), streams)
+
+    load(0)
+    torch.cuda.synchronize()  # every kernel of a load has launched once
+    torch.cuda._sleep(50_000_000)  # the device busy, as with a step in flight
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        load(0)  # into a held slot: evicts it first
+        pool.hide(0)
+        pool.show(0)
+        pool.evict(0)
+        load(1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert pool.slot_of == {1: 1}
+    assert int(pool.table.rank[0]) == 0 and int(pool.table.rank[1]) == 16
+    assert (pool.table.seg_offsets[0] == -1).all()
