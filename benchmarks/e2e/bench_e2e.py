@@ -440,6 +440,12 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
     return bw
 
 
+def same_graphs(config: dict, none: dict) -> bool:
+    """Whether a config ran the same CUDA graphs as `none`: only then do its
+    ratio and LoRA time compare (summary.py too)."""
+    return config.get("graph_max_size") == none.get("graph_max_size")
+
+
 def roofline(summary: dict) -> None:
     """Each config's LoRA time per step (its step time minus none's), adapter
     bytes read per step and roofline efficiency (module docstring)."""
@@ -450,7 +456,7 @@ def roofline(summary: dict) -> None:
     for r in summary["configs"].values():
         if not r.get("engine_steps"):
             continue
-        if r.get("graph_max_size") != none.get("graph_max_size"):
+        if not same_graphs(r, none):
             r["vs_none"] = "graphs differ from none's: no LoRA time"
             continue
         step = r["gen_s"] / r["engine_steps"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bench_e2e import PROTOCOL
+from bench_e2e import PROTOCOL, same_graphs
 
 DEFAULT = ("llama2-7b", "qkvo")
 
@@ -55,7 +55,7 @@ def summarize(runs: list[dict]) -> dict:
                 "out_tok_s": r["out_tok_s"],
                 # Only against a `none` with the same CUDA graphs (bench_e2e.py).
                 "ratio_to_none": round(r["out_tok_s"] / none, 3)
-                if none and r.get("graph_max_size") == none_run.get("graph_max_size") else None,
+                if none and same_graphs(r, none_run) else None,
                 "roofline_efficiency": r.get("roofline_efficiency"),
                 "lora_ms_per_step": r.get("lora_ms_per_step"),
                 "adapter_bytes_per_step": r.get("adapter_bytes_per_step"),

@@ -37,6 +37,11 @@ STRIDE = 16  # above 256 tokens vLLM captures every 16th size
 MEASURED_CAP = 1024
 
 
+def _vllm_default(decode_tokens: int) -> int:
+    """vLLM's own largest graph for decode steps of up to `decode_tokens`."""
+    return min(2 * decode_tokens, VLLM_DEFAULT_CAP)
+
+
 def decode_capture_size(max_num_seqs: int, decode_query_len: int,
                         max_num_batched_tokens: int) -> int:
     """The largest graph (tokens) that holds every decode step: at least
@@ -45,7 +50,7 @@ def decode_capture_size(max_num_seqs: int, decode_query_len: int,
     multiples of the query length, so the size is one of those too."""
     decode = max_num_seqs * decode_query_len
     step = math.lcm(STRIDE, decode_query_len)
-    size = max(min(2 * decode, VLLM_DEFAULT_CAP), -(-decode // step) * step)
+    size = max(_vllm_default(decode), -(-decode // step) * step)
     return min(size, MEASURED_CAP, max_num_batched_tokens)
 
 
@@ -64,7 +69,7 @@ def cover_decode_steps(vllm_config: Any) -> int | None:
     sched = vllm_config.scheduler_config
     query_len = 1 + vllm_config.num_speculative_tokens
     size = decode_capture_size(sched.max_num_seqs, query_len, sched.max_num_batched_tokens)
-    if size <= min(2 * sched.max_num_seqs * query_len, VLLM_DEFAULT_CAP):
+    if size <= _vllm_default(sched.max_num_seqs * query_len):
         return None  # vLLM's default already holds every decode step
     cc.max_cudagraph_capture_size = size
     logger.info("vllm-loraserve: CUDA graphs up to %d tokens, so that a decode step of "
