@@ -65,13 +65,8 @@ def make_adapter(root: str, rank: int, seed: int) -> str:
 
 
 def host_entry(layout, arena: PinnedArena, path: str) -> HostAdapter:
-    extents = []
-
-    def alloc(n: int) -> torch.Tensor:
-        extents.append(arena.alloc(n))
-        return arena.view(extents[-1], n)
-
-    spec, raw = read_weights(path, alloc, torch.finfo(torch.bfloat16).max)
+    spec, raw = read_weights(path, lambda n: arena.view(arena.alloc(n), n),
+                             torch.finfo(torch.bfloat16).max)
     where = {name: (int(name.split(".")[2]), short_name(name)) for name in raw.modules}
     return HostAdapter(path, layout.place(spec.rank, spec.target_modules), spec.scaling, raw,
                        where)

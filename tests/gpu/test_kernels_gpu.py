@@ -40,6 +40,18 @@ def _scenario(rng, dev):
     return layout, pool, SlotTable.build(layout, entries, 128, dev), len(ranks)
 
 
+def _mixed_step(rng, num_tokens, dev="cuda"):
+    """A `_scenario` pool and a step of `num_tokens` tokens, each with a
+    random adapter or none (-1)."""
+    layout, pool, slots, n_adapters = _scenario(rng, dev)
+    token_slots = [rng.choice([*range(n_adapters), -1]) for _ in range(num_tokens)]
+    return layout, pool, slots, token_slots, make_batch(token_slots, dev)
+
+
+# The module kinds the kernel tests run: a packed qkv, and down's wide input.
+MODULE_NAMES = (["q_proj", "k_proj", "v_proj"], ["down_proj"])
+
+
 def _defined(slots, token_slots, m, width, dev):
     """Where a shrink must write h ([slices, tokens, width]): each token with
     an adapter, slices its adapter targets, columns below its rank."""
@@ -53,12 +65,10 @@ def _defined(slots, token_slots, m, width, dev):
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 300, 1500])
 def test_triton_equals_reference_bf16(num_tokens):
-    rng, dev = random.Random(num_tokens), "cuda"
-    layout, pool, slots, n_adapters = _scenario(rng, dev)
-    token_slots = [rng.choice([*range(n_adapters), -1]) for _ in range(num_tokens)]
-    batch = make_batch(token_slots, dev)
+    dev = "cuda"
+    layout, pool, slots, token_slots, batch = _mixed_step(random.Random(num_tokens), num_tokens)
     triton_b, torch_b = get_backend("triton"), get_backend("torch")
-    for names in (["q_proj", "k_proj", "v_proj"], ["down_proj"]):
+    for names in MODULE_NAMES:
         m = ModuleSlices.of(layout, names)
         x = torch.randn(num_tokens, m.in_features, device=dev).to(torch.bfloat16)
         y0 = torch.randn(num_tokens, sum(m.out_features), device=dev).to(torch.bfloat16)
@@ -85,12 +95,11 @@ def test_backward_equals_reference_bf16(num_tokens):
     """The training kernels (kernels/__init__.py's expand_grad_h, shrink_grad_x,
     grad_pool) against the torch reference, each called twice: the first call
     is Triton's own launch, the second the plan's direct one (kernels/launch.py)."""
-    rng, dev = random.Random(100 + num_tokens), "cuda"
-    layout, pool, slots, n_adapters = _scenario(rng, dev)
-    token_slots = [rng.choice([*range(n_adapters), -1]) for _ in range(num_tokens)]
-    batch = make_batch(token_slots, dev)
+    dev = "cuda"
+    layout, pool, slots, token_slots, batch = _mixed_step(random.Random(100 + num_tokens),
+                                                          num_tokens)
     triton_b, torch_b = get_backend("triton"), get_backend("torch")
-    for names in (["q_proj", "k_proj", "v_proj"], ["down_proj"]):
+    for names in MODULE_NAMES:
         m = ModuleSlices.of(layout, names)
         x = torch.randn(num_tokens, m.in_features, device=dev).to(torch.bfloat16)
         dy = torch.randn(num_tokens, sum(m.out_features), device=dev).to(torch.bfloat16)
