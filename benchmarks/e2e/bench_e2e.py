@@ -440,6 +440,13 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
     return bw
 
 
+def machine_id() -> str:
+    """This boot of this machine: results files of several calls to one warm
+    device machine carry the same id (summary.py pairs them with one `none`)."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
+
+
 def same_graphs(config: dict, none: dict) -> bool:
     """Whether a config ran the same CUDA graphs as `none`: only then do its
     ratio and LoRA time compare (summary.py too)."""
@@ -534,7 +541,8 @@ def main() -> None:
                           "--format=csv,noheader"], capture_output=True, text=True).stdout
     import vllm
 
-    summary = {"gpu": gpu.strip(), "vllm": vllm.__version__, "commit": a.commit,
+    summary = {"gpu": gpu.strip(), "machine": machine_id(), "vllm": vllm.__version__,
+               "commit": a.commit,
                "date": time.strftime("%Y-%m-%d"), "shape": a.shape, "targets": a.targets,
                "ranks": list(ranks), "distinct_weight_sets": a.distinct,
                "warm_adapters": a.warm_adapters, "pool_config": json.loads(a.pool_config),

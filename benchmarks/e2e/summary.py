@@ -13,15 +13,18 @@ vLLM, commit and date, and `off_protocol` where the run used bench_e2e.py's
 diagnostic flags (`--warm-adapters`, `--pool-config`, `--engine-kw`, `--graph-size`;
 a run from before `--graph-size` had vLLM's default graphs, up to 512 tokens). Nothing is
 typed by hand; a config measured twice is an error (say which run counts by passing
-only that one).
+only that one). A results file without a `none` takes the `none` of another file from
+the same machine boot (bench_e2e.py's `machine`) and protocol: the calls of one warm
+device machine share one baseline (`none_shared` in its configs).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 
-from bench_e2e import PROTOCOL, same_graphs
+from bench_e2e import PROTOCOL, roofline, same_graphs
 
 DEFAULT = ("llama2-7b", "qkvo")
 
@@ -37,9 +40,42 @@ def _before(run: dict, key: str, default):
     return str(size or 512)
 
 
+def _protocol(run: dict) -> str:
+    return json.dumps({k: run.get(k) for k in ("machine", "shape", "targets", *PROTOCOL)},
+                      sort_keys=True)
+
+
+def share_none(runs: list[dict]) -> list[dict]:
+    """Give each run without a measured `none` the one of the same machine
+    boot and protocol, and compute its LoRA times against it (`roofline`).
+    Runs from before bench_e2e.py recorded the machine keep no baseline."""
+    nones: dict[str, list[dict]] = {}
+    for run in runs:
+        if run.get("machine") and "out_tok_s" in run["configs"].get("none", {}):
+            nones.setdefault(_protocol(run), []).append(run["configs"]["none"])
+    out = []
+    for run in runs:
+        if "out_tok_s" in run["configs"].get("none", {}) or not run.get("machine"):
+            out.append(run)
+            continue
+        found = nones.get(_protocol(run), [])
+        if len(found) > 1:
+            raise SystemExit(f"{len(found)} `none` runs on machine {run['machine']}: pass one")
+        if not found:
+            out.append(run)
+            continue
+        run = copy.deepcopy(run)
+        run["configs"]["none"] = copy.deepcopy(found[0])
+        roofline(run)
+        for r in run["configs"].values():
+            r["none_shared"] = True
+        out.append(run)
+    return out
+
+
 def summarize(runs: list[dict]) -> dict:
     out: dict = {}
-    for run in runs:
+    for run in share_none(runs):
         shape = (run.get("shape", DEFAULT[0]), run.get("targets", DEFAULT[1]))
         none_run = run["configs"].get("none", {})
         none = none_run.get("out_tok_s")
@@ -60,7 +96,8 @@ def summarize(runs: list[dict]) -> dict:
                 "lora_ms_per_step": r.get("lora_ms_per_step"),
                 "adapter_bytes_per_step": r.get("adapter_bytes_per_step"),
                 "device": run["gpu"], "vllm": run.get("vllm"), "commit": run.get("commit"),
-                "date": run.get("date"), "ranks": run.get("ranks")}
+                "date": run.get("date"), "ranks": run.get("ranks"),
+                **({"none_shared": True} if r.get("none_shared") else {})}
             # A run off the protocol's defaults says so (bench_e2e.py's
             # diagnostic flags): its numbers are not the protocol's.
             given = {k: run[k] if k in run else _before(run, k, default)

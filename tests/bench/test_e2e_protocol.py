@@ -68,3 +68,23 @@ def test_configs_without_the_plugin_get_the_plugins_graphs(monkeypatch):
         "max_cudagraph_capture_size": 608}
     assert bench_e2e.graph_kw(True, "decode", {}) == {}  # the plugin's own choice
     assert bench_e2e.graph_kw(True, "512", {}) == {"max_cudagraph_capture_size": 512}
+
+
+def test_calls_of_one_machine_share_its_none_and_no_other():
+    """A results file without `none` is compared with the `none` of another
+    call on the same machine boot (LoRA time included), never with one of
+    another machine, and two candidates are an error."""
+    first = _run({"none": _config(10000, 1024), "pool-100": _config(8000, 1024)},
+                 machine="boot-a", graph_size="decode")
+    second = _run({"pool-1000": _config(7500, 1024)}, machine="boot-a", graph_size="decode")
+    other = _run({"pool-2000": _config(7000, 1024)}, machine="boot-b", graph_size="decode")
+    out = summary.summarize([first, second, other])
+    assert out["pool-1000"]["ratio_to_none"] == 0.75 and out["pool-1000"]["none_shared"]
+    assert out["pool-1000"]["lora_ms_per_step"] == pytest.approx(
+        1e3 * (1000 * 250 / 7500 - 25) / 500, abs=1e-3)
+    assert "none_shared" not in out["pool-100"]
+    assert out["pool-2000"]["ratio_to_none"] is None
+    assert "none" not in second["configs"]  # the inputs are left as they were
+    again = _run({"none": _config(9000, 1024)}, machine="boot-a", graph_size="decode")
+    with pytest.raises(SystemExit, match="2 `none` runs"):
+        summary.summarize([first, again, second])
