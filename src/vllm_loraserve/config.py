@@ -29,8 +29,7 @@ ADDITIONAL_CONFIG_KEY = "loraserve"
 # the mode does change, are captured anew at every start, never cached.
 COMPILE_FIELDS = ("pool", "kernel", "max_slots")
 RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads",
-                  "switch_interval_us", "cold_start", "cold_start_group_layers",
-                  "cpu_assist_workers")
+                  "cold_start", "cold_start_group_layers", "cpu_assist_workers")
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -86,17 +85,6 @@ class LoraServeConfig:
         "is still being read wait in the queue; the batch does not.",
         flag="--loraserve-read-threads",
     )
-    switch_interval_us: int = _opt(
-        200,
-        "Python's thread switch interval (sys.setswitchinterval) in the worker "
-        "process of a paged pool, in microseconds: how long a thread that wants "
-        "the GIL waits before its holder must give it up. The host tier's "
-        "readers share the GIL with the engine's thread, whose page loads and "
-        "step preparation make many short torch calls, each a chance to lose "
-        "the GIL to a reader for up to this long (docs/benchmarks/e2e.md, "
-        "session 22). 0: Python's default (5 ms).",
-        flag="--loraserve-switch-interval-us",
-    )
     max_slots: int = _opt(
         4096,
         "Most adapters resident in the paged pool at once (the length of the "
@@ -123,7 +111,8 @@ class LoraServeConfig:
         "tier's copy and added on the device; that step runs without CUDA graphs, "
         "and copying each assisted layer's input to the host waits for the device "
         "(issue 24 item 3 removes that wait). 'block' is the default until the GPU "
-        "benchmark (docs/benchmarks/cold-start.md) shows that another mode wins.",
+        "benchmark (docs/benchmarks/cold-start.md) shows that another mode wins; "
+        "none of them is measured on a GPU yet.",
         flag="--loraserve-cold-start",
         choices=("block", "pipelined", "cpu-assist"),
     )
@@ -157,11 +146,10 @@ class LoraServeConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"loraserve.{f.name} must be one of {list(choices)}, "
                                  f"got {getattr(self, f.name)!r}")
-        for name in ("host_cache_bytes", "read_threads", "switch_interval_us", "max_slots",
-                     "cold_start_group_layers", "cpu_assist_workers"):
+        for name in ("host_cache_bytes", "read_threads", "max_slots", "cold_start_group_layers",
+                     "cpu_assist_workers"):
             value = getattr(self, name)
-            low = {"host_cache_bytes": 0, "switch_interval_us": 0,
-                   "cpu_assist_workers": -1}.get(name, 1)
+            low = {"host_cache_bytes": 0, "cpu_assist_workers": -1}.get(name, 1)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"loraserve.{name} must be an integer >= {low}, got {value!r}")
 

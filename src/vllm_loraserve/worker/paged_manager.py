@@ -39,7 +39,6 @@ warm-up calls). Differences from vLLM:
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections import deque
@@ -144,8 +143,6 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                         and cfg.cpu_assist_workers >= 0 else None)
         arena = PinnedArena.for_budget(cfg.host_budget(), largest, pinned=cuda,
                                        make_chunk=self._shared)
-        if cfg.switch_interval_us:  # process-wide: the readers below share the GIL
-            sys.setswitchinterval(cfg.switch_interval_us * 1e-6)
         # Each read splits its file's read and check over these (one reader
         # thread alone reads and checks at ~1.4-1.8 GB/s).
         self._read_parts = ThreadPoolExecutor(cfg.read_threads,
