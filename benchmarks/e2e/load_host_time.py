@@ -14,7 +14,8 @@ synchronizing torch call is counted, and the first one's stack is kept.
 `--readers` runs host-tier reads beside the loads (the engine's reader
 threads share its process, and its GIL); `--free-gb` leaves the device
 nearly full, as an engine's KV cache does (the caching allocator's retries
-and frees are reported).
+and frees are reported); `--switch-us` sets the Python thread switch interval,
+how long a thread that wants the GIL waits before asking its holder for it.
 
     python benchmarks/e2e/load_host_time.py --out load_host_time.json
 """
@@ -47,6 +48,7 @@ from vllm_loraserve.worker.pool import DevicePool  # noqa: E402
 
 LLAMA3 = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
                          intermediate_size=14336, num_hidden_layers=32)
+DEFAULT_SWITCH = sys.getswitchinterval()
 PAGE = 32768  # the e2e engine's page: 16 tokens x 8 KV heads x 128 x 2 (K and V)
 MODULE_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
              "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -81,6 +83,9 @@ def main() -> None:
                     help="host-tier reads running beside the loads (threads reading the "
                          "adapters in a loop, their reads split over as many part threads, "
                          "as the engine's host tier does)")
+    ap.add_argument("--switch-us", default="0",
+                    help="the process's Python thread switch interval (sys.setswitchinterval) "
+                         "in us; 0: Python's default, 5 ms")
     ap.add_argument("--free-gb", type=float, default=0,
                     help="leave only this much device memory free, as an engine whose KV "
                          "cache took the rest (0: no filling)")
@@ -143,9 +148,10 @@ def main() -> None:
 
     results = []
     syncs: dict[str, int] = {}
-    conditions = [(float(b), int(n)) for b in a.busy_ms.split(",")
-                  for n in a.readers.split(",")]
-    for busy, readers in conditions:
+    conditions = [(float(b), int(n), int(sw)) for b in a.busy_ms.split(",")
+                  for n in a.readers.split(",") for sw in a.switch_us.split(",")]
+    for busy, readers, switch_us in conditions:
+        sys.setswitchinterval(switch_us * 1e-6 if switch_us else DEFAULT_SWITCH)
         parts = ThreadPoolExecutor(max(readers, 1), initializer=torch.set_num_threads,
                                    initargs=(1,))
         threads = [threading.Thread(target=reader, args=(parts,), daemon=True)
@@ -167,7 +173,7 @@ def main() -> None:
                 for w in caught:
                     key = f"{os.path.basename(w.filename)}:{w.lineno}: {w.message}"[:240]
                     syncs[key] = syncs.get(key, 0) + 1
-                row.update(rank=r, busy_ms=busy, readers=readers, rep=rep,
+                row.update(rank=r, busy_ms=busy, readers=readers, switch_us=switch_us, rep=rep,
                            bytes=e.weights.data.numel())
                 results.append(row)
                 print(json.dumps(row))
@@ -197,9 +203,11 @@ def main() -> None:
            "loads": results}
     json.dump(out, open(a.out, "w"), indent=1)
     print(json.dumps({k: v for k, v in out.items() if k not in ("loads", "first_sync")}))
-    for busy, readers in conditions:
-        rows = [r for r in results if (r["busy_ms"], r["readers"]) == (busy, readers)]
-        print(f"busy {busy:5.0f} ms, {readers} readers: host ms a load, median: " + ", ".join(
+    for busy, readers, switch_us in conditions:
+        rows = [r for r in results
+                if (r["busy_ms"], r["readers"], r["switch_us"]) == (busy, readers, switch_us)]
+        print(f"busy {busy:5.0f} ms, {readers} readers, switch {switch_us or 'default'} us: "
+              "host ms a load, median: " + ", ".join(
             f"{k} {sorted(r[k] for r in rows)[len(rows) // 2]:.2f}"
             for k in ("copy_ms", "pack_ms", "write_ms", "total_ms")))
 
