@@ -46,6 +46,7 @@ from vllm_loraserve.paging.layout import LayerLayout
 from vllm_loraserve.paging.model import model_layout
 from vllm_loraserve.paging.step import REPORT_ATTR, STEP_ATTR, PoolReport, Prefetch
 from vllm_loraserve.scheduler.pages import AdapterPages
+from vllm_loraserve.scheduler.waits import AdapterWaits
 
 logger = logging.getLogger(f"vllm.{__name__}")
 # Distinct cold adapters of the waiting queue whose host copies are prepared
@@ -135,7 +136,7 @@ class PoolSchedulerMixin:
         # The workers' host tier, from their last PoolReport.
         self._host_ready: frozenset[int] = frozenset()
         self._read_failures: dict[int, str] = {}  # lora id -> why (sticky until removed)
-        self._held_since: dict[str, float] = {}  # request id -> first set aside
+        self._adapter_waits = AdapterWaits()
         self._waits: list[float] = []  # adapter waits of this step's admissions
         # The scheduler reads max_loras only to cap distinct adapters per batch.
         self.lora_config = overlay(self.lora_config, max_loras=sys.maxsize)
@@ -171,8 +172,8 @@ class PoolSchedulerMixin:
             if blocks is None and acquired:
                 pages.release(request.request_id)
             elif acquired:
-                now = time.monotonic()
-                self._waits.append(now - self._held_since.pop(request.request_id, now))
+                self._waits.append(self._adapter_waits.admitted(request.request_id,
+                                                                time.monotonic()))
             return blocks
 
         return allocate
@@ -210,10 +211,12 @@ class PoolSchedulerMixin:
                 if r.request_id in self._adapter_failures or \
                         not self._ready(r.lora_request.lora_int_id):
                     cold.append(r)
+                else:
+                    self._adapter_waits.ready(r.request_id, now)
             if not cold:
                 continue
             for request in cold:
-                self._held_since.setdefault(request.request_id, now)
+                self._adapter_waits.held(request.request_id, now)
             held.append((queue, take_out(queue, cold, self.policy)))
         return held
 
@@ -330,7 +333,7 @@ class PoolSchedulerMixin:
     def _free_request_blocks(self, request: Any) -> None:
         super()._free_request_blocks(request)
         self.adapter_pages.release(request.request_id)
-        self._held_since.pop(request.request_id, None)
+        self._adapter_waits.forget(request.request_id)
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         # BlockPool.reset_prefix_cache needs every block free: idle adapters go.
