@@ -111,8 +111,7 @@ class LoraServeConfig:
         "tier's copy and added on the device; that step runs without CUDA graphs, "
         "and copying each assisted layer's input to the host waits for the device "
         "(issue 24 item 3 removes that wait). 'block' is the default until the GPU "
-        "benchmark (docs/benchmarks/cold-start.md) shows that another mode wins; "
-        "none of them is measured on a GPU yet.",
+        "benchmark (docs/benchmarks/cold-start.md) shows that another mode wins.",
         flag="--loraserve-cold-start",
         choices=("block", "pipelined", "cpu-assist"),
     )
