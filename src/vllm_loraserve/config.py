@@ -28,7 +28,7 @@ ADDITIONAL_CONFIG_KEY = "loraserve"
 # is opaque to torch.compile (worker/paged_layer.py), and CUDA graphs, which
 # the mode does change, are captured anew at every start, never cached.
 COMPILE_FIELDS = ("pool", "kernel", "max_slots")
-RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads",
+RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads", "pack",
                   "cold_start", "cold_start_group_layers", "cpu_assist_workers")
 
 
@@ -84,6 +84,18 @@ class LoraServeConfig:
         "adapter's read and value check into pieces. Requests whose adapter "
         "is still being read wait in the queue; the batch does not.",
         flag="--loraserve-read-threads",
+    )
+    pack: str = _opt(
+        "torch",
+        "How a page load packs an adapter's file into page layout on the GPU. "
+        "'torch': a few torch calls per slice and a view per tensor, made by the "
+        "engine's thread, whose GIL the readers share (about 10 ms a load at "
+        "1000-2000 adapters on an H200). 'triton': one Triton launch per load, from "
+        "a table the reader builds. 'triton' has passed its CPU tests under "
+        "Triton's interpreter but has not run on a GPU yet: not the default until "
+        "it has (docs/benchmarks/e2e.md, session 22).",
+        flag="--loraserve-pack",
+        choices=("torch", "triton"),
     )
     max_slots: int = _opt(
         4096,

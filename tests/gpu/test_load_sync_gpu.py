@@ -10,10 +10,13 @@ sync debug mode raises on every synchronizing torch call.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from vllm_loraserve.paging.layout import pack_layers
+from vllm_loraserve.worker.pack_tables import TablePacker, file_table
 from vllm_loraserve.worker.pool import DevicePool
 
 from ..worker.test_cold_start import KV_SHAPE, LAYERS, LAYOUT, MODULES, host_adapter, page_ids
@@ -23,18 +26,28 @@ DEV = torch.device("cuda")
 DTYPE = torch.bfloat16
 
 
-def test_page_loads_and_evictions_never_wait_for_the_device(tmp_path):
+@pytest.mark.parametrize("pack", ["torch", "triton"])  # --loraserve-pack
+def test_page_loads_and_evictions_never_wait_for_the_device(tmp_path, pack):
     entry = host_adapter(tmp_path, "a", 16, ("q_proj", "v_proj", "down_proj"), 1, pin=True)
     kv = [torch.zeros(KV_SHAPE, dtype=DTYPE, device=DEV) for _ in range(LAYERS)]
     pool = DevicePool(LAYOUT.slices, LAYERS, max_rank=32, max_tokens=64, max_slots=8,
                       max_slices=3, backend="triton", device=DEV)
     pool.bind(kv)
     pool.warm_up(set(MODULES))
+    tables = None
+    if pack == "triton":
+        tables = TablePacker(LAYOUT, LAYERS, DTYPE, DEV)
+        tables.warm_up()
+        entry = dataclasses.replace(entry, pack_table=file_table(
+            LAYOUT, LAYERS, entry.placement, entry.weights, entry.where))
 
     def load(slot: int) -> None:  # as worker/paged_manager.py `_load`
         data = entry.weights.data.to(DEV, non_blocking=True)
-        streams = pack_layers(LAYOUT, entry.placement,
-                              entry.layer_weights(range(LAYERS), data), entry.scaling, DTYPE)
+        if tables is not None:
+            streams = tables.pack(entry, data, range(LAYERS))
+        else:
+            streams = pack_layers(LAYOUT, entry.placement,
+                                  entry.layer_weights(range(LAYERS), data), entry.scaling, DTYPE)
         pool.load(slot, 1, entry.placement, page_ids(entry, 1), streams)
 
     load(0)
@@ -53,3 +66,37 @@ def test_page_loads_and_evictions_never_wait_for_the_device(tmp_path):
     assert pool.slot_of == {1: 1}
     assert int(pool.table.rank[0]) == 0 and int(pool.table.rank[1]) == 16
     assert (pool.table.seg_offsets[0] == -1).all()
+
+
+@pytest.mark.parametrize("file_dtype", [torch.bfloat16, torch.float32])
+def test_one_launch_packs_bit_for_bit_as_torch(tmp_path, file_dtype):
+    """--loraserve-pack triton writes the streams pack_layers writes, every
+    bit, for a whole load and for a layer group's (cold starts); its first
+    table goes through the pinned staging rows, later ones are kept."""
+    entry = host_adapter(tmp_path, "a", 24, ("q_proj", "v_proj", "down_proj"), 3, pin=True)
+    if file_dtype != torch.float32:  # the files hold fp32: their bytes as file_dtype
+        raw = entry.weights
+        tensors = raw.tensors()
+        assert all(t.dtype == torch.float32 for ab in tensors.values() for t in ab)
+        data = torch.empty_like(raw.data).pin_memory()
+        modules = {}
+        at = 0
+        for name, ab in tensors.items():
+            parts = []
+            for t in ab:
+                b = t.to(file_dtype).contiguous().view(-1).view(torch.uint8)
+                data[at:at + b.numel()] = b
+                parts.append(type(raw.modules[name][0])(at, tuple(t.shape), file_dtype))
+                at += b.numel()
+            modules[name] = tuple(parts)
+        entry = dataclasses.replace(entry, weights=type(raw)(data, modules))
+    entry = dataclasses.replace(entry, pack_table=file_table(
+        LAYOUT, LAYERS, entry.placement, entry.weights, entry.where))
+    tables = TablePacker(LAYOUT, LAYERS, DTYPE, DEV)
+    tables.warm_up()
+    data = entry.weights.data.to(DEV)
+    for layers in (range(LAYERS), range(2, 5), range(LAYERS)):
+        want = pack_layers(LAYOUT, entry.placement, entry.layer_weights(layers, data),
+                           entry.scaling, DTYPE)
+        got = tables.pack(entry, data, layers)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), layers

@@ -34,7 +34,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 # A panel's columns: the widest column tile any kernel reads (the expand's
@@ -195,6 +197,43 @@ def pack_layers(
             write_segment(layout, out, off, seg, rows.transpose(1, 2) if pick else rows,
                           scaling if pick else None)
     return out
+
+
+# One row of a pack table per (layer, segment) an adapter's file holds:
+# the layer, where the tensor starts in the file's data (elements of the
+# file's dtype), its columns in the segment (in or out features), whether it
+# is a B (read transposed, times the scaling), and the segment's offset in
+# the layer's stream. kernels/triton_pack.py writes a whole load from it.
+PACK_COLUMNS = ("layer", "src", "cols", "is_b", "dst")
+
+
+def pack_table(layout: LayerLayout, placement: AdapterPlacement,
+               layers: Sequence[Mapping[str, tuple[Any, Any]]]) -> np.ndarray | None:
+    """The pack table (PACK_COLUMNS, int64) of an adapter whose `layers[l]`
+    maps slice name -> (A, B) where the file holds them (objects with
+    `offset` in bytes, `shape` and a torch `dtype`, as adapters/peft.py's
+    RawTensor). None where one launch cannot pack it: tensors of several
+    dtypes, or an offset that is not a whole number of elements. Shapes are
+    checked as `pack_layers` checks them."""
+    r, rows = placement.rank, []
+    dtypes = {t.dtype for w in layers for ab in w.values() for t in ab}
+    if len(dtypes) != 1:
+        return None
+    size = next(iter(dtypes)).itemsize
+    for la, w in enumerate(layers):
+        for name, (a, b) in w.items():
+            g = layout.slice_index(name)
+            s = layout.slices[g]
+            if tuple(a.shape) != (r, s.in_features) or tuple(b.shape) != (s.out_features, r):
+                raise ValueError(f"{name}: A {tuple(a.shape)} / B {tuple(b.shape)} do not "
+                                 f"match rank {r}, in {s.in_features}, out {s.out_features}")
+            for seg, t, cols in ((2 * g, a, s.in_features), (2 * g + 1, b, s.out_features)):
+                if placement.seg_offsets[seg] < 0:
+                    raise ValueError(f"slice {name} is not in this adapter's placement")
+                if t.offset % size:
+                    return None
+                rows.append((la, t.offset // size, cols, seg % 2, placement.seg_offsets[seg]))
+    return np.array(rows, dtype=np.int64).reshape(-1, len(PACK_COLUMNS))
 
 
 def _panels(layout: LayerLayout, flat: torch.Tensor, rank: int, segment: int) -> torch.Tensor:

@@ -55,6 +55,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from vllm_loraserve.adapters.peft import BadWeights, RawWeights
@@ -77,6 +78,8 @@ class HostAdapter:
     scaling: float
     weights: RawWeights  # its data is a view of the entry's extent
     where: dict[str, tuple[int, str]]  # module path -> (layer, slice name), checked on read
+    # paging/layout.py's pack table (--loraserve-pack triton), built by the reader
+    pack_table: np.ndarray | None = None
 
     def layer_weights(self, layers: range, data: torch.Tensor | None = None
                       ) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:

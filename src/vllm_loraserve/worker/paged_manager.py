@@ -67,6 +67,7 @@ from vllm_loraserve.worker.cold_start import ColdStart, layer_groups
 from vllm_loraserve.worker.cpu_lora.pool import CpuPoolConfig, CpuWorkerPool
 from vllm_loraserve.worker.cpu_lora.shm import SharedChunks
 from vllm_loraserve.worker.host_tier import Alloc, HostAdapter, HostTier, StepOverflow
+from vllm_loraserve.worker.pack_tables import TablePacker, file_table
 from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker.pool import DevicePool
 from vllm_loraserve.worker.report import LoadEvent, PoolCounters, ResidencyReport
@@ -132,6 +133,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         cuda = torch.device(self.device).type == "cuda"
         # Loads for waiting requests (PageLoad.ahead) run on this stream on a GPU.
         self._side = torch.cuda.Stream(self.device) if cuda else None
+        self._tables: TablePacker | None = None  # --loraserve-pack triton, made at bind
         # The host tier's memory, pinned here (before the KV cache and the
         # server's start) and never later; its chunks hold the largest
         # adapter this engine serves.
@@ -248,6 +250,10 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             # whole device: the first load packed on the side stream (ahead, or a
             # cold start's group) would wait for the forward pass it should run beside.
             warm_up_pack(self.pool.layout, self.lora_config.lora_dtype, self.pool.device)
+        if self.cfg.pack == "triton":
+            self._tables = TablePacker(self.pool.layout, self.num_layers,
+                                       self.lora_config.lora_dtype, self.pool.device)
+            self._tables.warm_up()
         if self.cold is not None:
             self.cold.warm_up(self._module_kinds)
         logger.info("vllm-loraserve pool bound: %d layers, %d pages of %d elements, %s kernels "
@@ -310,7 +316,9 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                                  f"{short} is {s.in_features} -> {s.out_features}")
             where[name] = (extract_layer_index(name), short)
         placement = layout.place(spec.rank, spec.target_modules)
-        return HostAdapter(lora_request.lora_name, placement, spec.scaling, raw, where)
+        table = None if self._tables is None else file_table(  # one launch packs it
+            layout, self.num_layers, placement, raw, where)
+        return HostAdapter(lora_request.lora_name, placement, spec.scaling, raw, where, table)
 
     def _device_streams(self, entry: HostAdapter, layers: range | None = None,
                         data: torch.Tensor | None = None) -> torch.Tensor:
@@ -318,11 +326,14 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         `layers` (default: all) on the device: one host-to-device copy of
         the file's bytes (unless `data` holds them there already: a layer
         group's load copies its own), then A copied and B transposed and
-        scaled there for those layers at once (pack_layers), on the current
-        stream."""
+        scaled there for those layers at once, on the current stream: in one
+        launch from the entry's pack table (--loraserve-pack triton), else
+        with torch (pack_layers)."""
         if data is None:
             data = entry.weights.data.to(self.device, non_blocking=True)
         layers = range(self.num_layers) if layers is None else layers
+        if self._tables is not None and entry.pack_table is not None:
+            return self._tables.pack(entry, data, layers)
         return pack_layers(self.pool.layout, entry.placement, entry.layer_weights(layers, data),
                            entry.scaling, self.lora_config.lora_dtype)
 
