@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
 from vllm_loraserve.paging.layout import pack_layers
+from vllm_loraserve.worker import pack_tables
 from vllm_loraserve.worker.pack_tables import TablePacker, file_table
 from vllm_loraserve.worker.pool import DevicePool
 
@@ -68,14 +70,19 @@ def test_page_loads_and_evictions_never_wait_for_the_device(tmp_path, pack):
     assert (pool.table.seg_offsets[0] == -1).all()
 
 
-@pytest.mark.parametrize("file_dtype", [torch.bfloat16, torch.float32])
-def test_one_launch_packs_bit_for_bit_as_torch(tmp_path, file_dtype):
+@pytest.mark.parametrize("file_dtype, out_dtype", [
+    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16),
+    (torch.float16, torch.float32)])
+def test_one_launch_packs_bit_for_bit_as_torch(tmp_path, file_dtype, out_dtype):
     """--loraserve-pack triton writes the streams pack_layers writes, every
-    bit, for a whole load and for a layer group's (cold starts); its first
-    table goes through the pinned staging rows, later ones are kept."""
+    bit, for a whole load and for a layer group's (cold starts), with a
+    scaling whose products round (Bt is rounded to the file's dtype first,
+    as torch's product is); its first table goes through the pinned staging
+    rows, later ones are kept."""
     entry = host_adapter(tmp_path, "a", 24, ("q_proj", "v_proj", "down_proj"), 3, pin=True)
+    raw = entry.weights
     if file_dtype != torch.float32:  # the files hold fp32: their bytes as file_dtype
-        raw = entry.weights
         tensors = raw.tensors()
         assert all(t.dtype == torch.float32 for ab in tensors.values() for t in ab)
         data = torch.empty_like(raw.data).pin_memory()
@@ -89,14 +96,29 @@ def test_one_launch_packs_bit_for_bit_as_torch(tmp_path, file_dtype):
                 parts.append(type(raw.modules[name][0])(at, tuple(t.shape), file_dtype))
                 at += b.numel()
             modules[name] = tuple(parts)
-        entry = dataclasses.replace(entry, weights=type(raw)(data, modules))
-    entry = dataclasses.replace(entry, pack_table=file_table(
-        LAYOUT, LAYERS, entry.placement, entry.weights, entry.where))
-    tables = TablePacker(LAYOUT, LAYERS, DTYPE, DEV)
+        raw = type(raw)(data, modules)
+    entry = dataclasses.replace(entry, weights=raw, scaling=0.3, pack_table=file_table(
+        LAYOUT, LAYERS, entry.placement, raw, entry.where))
+    tables = TablePacker(LAYOUT, LAYERS, out_dtype, DEV)
     tables.warm_up()
     data = entry.weights.data.to(DEV)
+    bits = torch.int32 if out_dtype == torch.float32 else torch.int16
     for layers in (range(LAYERS), range(2, 5), range(LAYERS)):
         want = pack_layers(LAYOUT, entry.placement, entry.layer_weights(layers, data),
-                           entry.scaling, DTYPE)
+                           entry.scaling, out_dtype)
         got = tables.pack(entry, data, layers)
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), layers
+        assert torch.equal(got.view(bits), want.view(bits)), layers
+
+
+def test_a_busy_staging_row_is_not_waited_for(monkeypatch):
+    """A new table whose staging row's last copy has not completed is not
+    copied (the load is packed with torch): the engine thread never waits."""
+    monkeypatch.setattr(pack_tables, "STAGING_ROWS", 1)
+    tables = TablePacker(LAYOUT, LAYERS, DTYPE, DEV)
+    first, second = (np.array([[0, 0, n, 0, 0]], dtype=np.int64) for n in (1, 2))
+    torch.cuda._sleep(100_000_000)  # the device busy: the first copy queues behind it
+    assert tables._table(first) is not None
+    assert tables._table(second) is None
+    assert tables._table(first) is not None  # kept: no copy
+    torch.cuda.synchronize()
+    assert tables._table(second) is not None

@@ -1,8 +1,9 @@
 """One launch packs a load (kernels/triton_pack.py) as pack_layers does,
 from the file's bytes and the reader's pack table, under Triton's
-interpreter. The interpreter rounds fp32 to 16 bits toward zero, where a
-GPU rounds to nearest (tests/gpu/test_kernels_gpu.py checks bit for bit), so
-16-bit outputs may differ by one unit in the last place here."""
+interpreter. The interpreter rounds fp32 to bf16 toward zero, where torch
+and a GPU round to nearest (tests/gpu/test_load_sync_gpu.py checks bit for
+bit), so where bf16 is involved values may differ by one unit in the last
+place here; elsewhere they are equal."""
 
 from __future__ import annotations
 
@@ -43,34 +44,41 @@ def _adapter(rank, file_dtype, lacking=(), seed=0):
              for s in SLICES if (la, s.name) not in lacking} for la in range(3)]
 
 
-def _close(got, want):
-    if want.dtype == torch.float32:
+def _close(got, want, exact):
+    """Exact, or within one bf16 unit in the last place where bf16 is the
+    file's or the stream's dtype (the interpreter's rounding to bf16)."""
+    if exact:
         assert torch.equal(got, want)
         return
-    # One unit in the last place: adjacent 16-bit patterns of the same sign.
-    diff = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
-    assert int(diff.max()) <= 1 and torch.equal(got == 0, want == 0)
+    assert torch.equal(got == 0, want == 0)
+    assert ((got.float() - want.float()).abs() <= want.float().abs() / 128).all()
+
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
 @pytest.mark.parametrize("file_dtype, out_dtype", [
-    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
-    (torch.float16, torch.float16), (torch.float32, torch.float32)])
+    (BF16, BF16), (FP32, BF16), (FP16, FP16), (FP32, FP32), (FP16, FP32), (FP32, FP16),
+    (BF16, FP16), (FP16, BF16), (BF16, FP32)])
 @pytest.mark.parametrize("rank", [5, 16, 33])
 def test_one_launch_packs_as_pack_layers(file_dtype, out_dtype, rank):
+    """Bt = scaling * B^T rounds as torch rounds it: to the file's dtype,
+    then to the stream's (an fp16 file into fp32 streams shows it exactly)."""
     layout = LayerLayout(SLICES, page_size=512, align=32)  # panels of 32 columns
     layers = _adapter(rank, file_dtype, lacking={(1, "k_proj")})
     data, where = _file(layers)
     placement = layout.place(rank, [s.name for s in SLICES])
-    want = pack_layers(layout, placement, layers, 0.75, out_dtype)
+    want = pack_layers(layout, placement, layers, 0.3, out_dtype)
     table = pack_table(layout, placement, where)
     got = torch.zeros_like(want)
-    pack_streams(data.view(file_dtype), torch.from_numpy(table), got, rank, 0.75,
+    pack_streams(data.view(file_dtype), torch.from_numpy(table), got, rank, 0.3,
                  max(max(s.in_features, s.out_features) for s in SLICES), layout.panel)
-    _close(got, want)
+    exact = BF16 not in (file_dtype, out_dtype)
+    _close(got, want, exact)
     sub = torch.zeros_like(want[1:])  # a layer group's streams: layers 1 and 2
-    pack_streams(data.view(file_dtype), torch.from_numpy(table), sub, rank, 0.75, 72,
+    pack_streams(data.view(file_dtype), torch.from_numpy(table), sub, rank, 0.3, 72,
                  layout.panel, range(1, 3))
-    _close(sub, want[1:])
+    _close(sub, want[1:], exact)
 
 
 def test_tables_it_cannot_pack_in_one_launch():

@@ -10,9 +10,10 @@ passes a pack table (`paging.layout.pack_table`, built by the reader) and
 launches once.
 
 The numbers are pack_layers': A is cast to the stream's dtype; Bt = scaling
-* B^T is computed in fp32 and rounded once (torch's opmath for a 16-bit
-tensor times a Python float). Columns past a slice's width and ranks past
-the adapter's are left as they are (the caller zeroes the streams).
+* B^T is computed in fp32 (torch's opmath for a 16-bit tensor times a Python
+float), rounded to the file's dtype (the product's dtype in torch), then cast
+to the stream's. Columns past a slice's width and ranks past the adapter's
+are left as they are (the caller zeroes the streams).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def _pack_kernel(src_ptr, table_ptr, out_ptr, scale, rank, stream_len, layer_lo,
             if is_b != 0:  # Bt[j, c] = scale * B[c, j]; B is [cols, rank]
                 v = tl.load(src_ptr + src + (c0 + offs_i)[None, :] * rank + offs_j[:, None],
                             mask=mask, other=0.0).to(tl.float32) * scale
+                v = v.to(src_ptr.dtype.element_ty)  # torch's product is in the file's dtype
             else:  # A[j, c]; A is [rank, cols]
                 v = tl.load(src_ptr + src + offs_j[:, None] * cols + (c0 + offs_i)[None, :],
                             mask=mask, other=0.0).to(tl.float32)
@@ -70,8 +72,8 @@ def pack_streams(src: torch.Tensor, table: torch.Tensor, out: torch.Tensor, rank
     if out.dtype not in _OUT_DTYPES or not out.is_contiguous() or out.dim() != 2:
         raise ValueError(f"streams must be a contiguous 2-d tensor of {list(_OUT_DTYPES)}")
     layers = range(out.shape[0]) if layers is None else layers
-    if len(layers) != out.shape[0]:
-        raise ValueError(f"{out.shape[0]} streams for {len(layers)} layers")
+    if layers.step != 1 or len(layers) != out.shape[0]:
+        raise ValueError(f"{out.shape[0]} streams for layers {layers}")
     if table.shape[0] == 0:
         return
     grid = (table.shape[0], triton.cdiv(max_cols, panel))

@@ -52,7 +52,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 import numpy as np
@@ -79,7 +79,7 @@ class HostAdapter:
     weights: RawWeights  # its data is a view of the entry's extent
     where: dict[str, tuple[int, str]]  # module path -> (layer, slice name), checked on read
     # paging/layout.py's pack table (--loraserve-pack triton), built by the reader
-    pack_table: np.ndarray | None = None
+    pack_table: np.ndarray | None = field(default=None, compare=False)
 
     def layer_weights(self, layers: range, data: torch.Tensor | None = None
                       ) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:

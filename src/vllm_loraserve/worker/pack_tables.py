@@ -10,9 +10,11 @@ share a layout (same rank, targets and writer) share one table, and a load
 rarely copies one at all.
 
 Invariants: a staging row is rewritten only once the copy that last read it
-has completed (its event); a kept table is used on a stream only after its
-copy (the stream waits on its event), and the allocator knows every stream
-that used it (`record_stream`), so dropping it from the cache is safe.
+has completed (its event; a load that finds the next row still busy is
+packed with torch instead of waiting for the device); a kept table is used
+on a stream only after its copy (the stream waits on its event), and the
+allocator knows every stream that used it (`record_stream`), so dropping it
+from the cache is safe.
 """
 
 from __future__ import annotations
@@ -23,12 +25,11 @@ import numpy as np
 import torch
 
 from vllm_loraserve.adapters.peft import RawWeights
-from vllm_loraserve.kernels.triton_pack import pack_streams
 from vllm_loraserve.paging.layout import PACK_COLUMNS, AdapterPlacement, LayerLayout, pack_table
 from vllm_loraserve.worker.host_tier import HostAdapter
 
 STAGING_ROWS = 16  # tables in flight to the device at once
-KEPT_TABLES = 256  # distinct file layouts kept on the device (a few KB to ~30 KB each)
+KEPT_TABLES = 256  # distinct file layouts kept on the device (40 bytes a layer and segment)
 
 
 def file_table(layout: LayerLayout, num_layers: int, placement: AdapterPlacement,
@@ -49,6 +50,9 @@ class TablePacker:
         if device.type != "cuda":
             raise ValueError("--loraserve-pack triton packs on a CUDA device; this one is "
                              f"{device}")
+        # Here, not at the module's top: engines that pack with torch need no Triton.
+        from vllm_loraserve.kernels.triton_pack import pack_streams
+        self._pack_streams = pack_streams
         self.layout, self.num_layers, self.dtype, self.device = layout, num_layers, dtype, device
         self._max_rows = num_layers * layout.num_segments
         self._staging = torch.empty(STAGING_ROWS, self._max_rows, len(PACK_COLUMNS),
@@ -58,22 +62,26 @@ class TablePacker:
         self._kept: OrderedDict[bytes, tuple[torch.Tensor, torch.cuda.Event]] = OrderedDict()
         self._max_cols = max(max(s.in_features, s.out_features) for s in layout.slices)
 
-    def _table(self, rows: np.ndarray) -> torch.Tensor:
-        """`rows` on the device, usable on the current stream."""
+    def _table(self, rows: np.ndarray) -> torch.Tensor | None:
+        """`rows` on the device, usable on the current stream; None where
+        the next staging row's last copy has not completed (16 new tables
+        since: a burst of new file layouts)."""
         key = rows.tobytes()
         kept = self._kept.get(key)
+        stream = torch.cuda.current_stream(self.device)
         if kept is None:
             if len(rows) > self._max_rows:
                 raise ValueError(f"a pack table of {len(rows)} rows; this model has at most "
                                  f"{self._max_rows}")
-            i, self._next = self._next, (self._next + 1) % STAGING_ROWS
-            if self._staged[i] is not None:
-                self._staged[i].synchronize()  # its copy was issued 16 new tables ago
+            i = self._next
+            if self._staged[i] is not None and not self._staged[i].query():
+                return None
+            self._next = (i + 1) % STAGING_ROWS
             stage = self._staging[i, :len(rows)]
             stage.copy_(torch.from_numpy(rows))
             table = stage.to(self.device, non_blocking=True)
             copied = torch.cuda.Event()
-            copied.record()
+            copied.record(stream)
             self._staged[i] = copied
             kept = self._kept[key] = (table, copied)
             if len(self._kept) > KEPT_TABLES:
@@ -81,22 +89,26 @@ class TablePacker:
         else:
             self._kept.move_to_end(key)
         table, copied = kept
-        stream = torch.cuda.current_stream(self.device)
         stream.wait_event(copied)
         table.record_stream(stream)
         return table
 
-    def pack(self, entry: HostAdapter, data: torch.Tensor, layers: range) -> torch.Tensor:
+    def pack(self, entry: HostAdapter, data: torch.Tensor, layers: range
+             ) -> torch.Tensor | None:
         """The entry's streams of `layers` ([len(layers), pages * page_size])
         from `data` (its file's bytes on the device, at the file's offsets),
-        on the current stream."""
+        on the current stream; None where its table cannot reach the device
+        without waiting (`_table`): the caller packs with torch."""
+        table = self._table(entry.pack_table)
+        if table is None:
+            return None
         p = entry.placement
         file_dtype = next(iter(entry.weights.modules.values()))[0].dtype
         n = data.numel() - data.numel() % file_dtype.itemsize
         out = torch.zeros(len(layers), p.num_pages * self.layout.page_size, dtype=self.dtype,
                           device=self.device)
-        pack_streams(data[:n].view(file_dtype), self._table(entry.pack_table), out, p.rank,
-                     entry.scaling, self._max_cols, self.layout.panel, layers)
+        self._pack_streams(data[:n].view(file_dtype), table, out, p.rank, entry.scaling,
+                           self._max_cols, self.layout.panel, layers)
         return out
 
     def warm_up(self) -> None:
@@ -106,4 +118,4 @@ class TablePacker:
             rows = np.array([[0, 0, 1, 0, 0], [0, 0, 1, 1, 0]], dtype=np.int64)
             src = torch.zeros(16, dtype=file_dtype, device=self.device)
             out = torch.zeros(1, self.layout.panel, dtype=self.dtype, device=self.device)
-            pack_streams(src, self._table(rows), out, 1, 1.0, 1, self.layout.panel)
+            self._pack_streams(src, self._table(rows), out, 1, 1.0, 1, self.layout.panel)

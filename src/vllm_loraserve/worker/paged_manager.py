@@ -333,7 +333,9 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             data = entry.weights.data.to(self.device, non_blocking=True)
         layers = range(self.num_layers) if layers is None else layers
         if self._tables is not None and entry.pack_table is not None:
-            return self._tables.pack(entry, data, layers)
+            streams = self._tables.pack(entry, data, layers)
+            if streams is not None:
+                return streams
         return pack_layers(self.pool.layout, entry.placement, entry.layer_weights(layers, data),
                            entry.scaling, self.lora_config.lora_dtype)
 
