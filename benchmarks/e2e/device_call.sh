@@ -12,6 +12,9 @@
 #   BENCH_ARGS="--shape llama3-8b --targets all-linear --ranks 16,32,64 --distinct 40";
 # ONLINE_ARGS adds online_ttft.py arguments, e.g. ONLINE_ARGS="--cold-start pipelined";
 # COLD_ARGS adds ttft_bench.py arguments, e.g. COLD_ARGS="--concurrent-cold 1,4 --reps 5".
+# POOL_CONFIGS (offline): plugin option sets separated by ';', each a --pool-config JSON,
+# e.g. POOL_CONFIGS='{};{"pack": "triton"}': the configs run once per set, in that order,
+# each set's results in $OUT/offline-abN.json (an A/B on one machine).
 # cold-start keeps its results across calls on a warm machine, so calls of one
 # mode each add up to one ttft.json (each mode's server compiles its own graphs).
 # LORASERVE_COMMIT (the commit sent; the device has no .git) goes into results.json.
@@ -59,9 +62,20 @@ within() {
 
 case $what in
   offline)
-    within python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --out "$work" --timeout-s 240 \
-      ${BENCH_ARGS:-}
-    cp "$work/results.json" "$OUT/offline.json" ;;
+    if [[ -z ${POOL_CONFIGS:-} ]]; then
+      within python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --out "$work" --timeout-s 240 \
+        ${BENCH_ARGS:-}
+      cp "$work/results.json" "$OUT/offline.json"
+    else  # an A/B of plugin options on one machine: the configs once per option set
+      i=0
+      IFS=';' read -ra sets <<< "$POOL_CONFIGS"
+      for pc in "${sets[@]}"; do
+        i=$((i + 1))
+        within python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --out "$work/ab$i" \
+          --timeout-s 240 ${BENCH_ARGS:-} --pool-config "$pc"
+        cp "$work/ab$i/results.json" "$OUT/offline-ab$i.json"
+      done
+    fi ;;
   profile)
     within python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --profile 400 --out "$work" \
       --timeout-s 240 ${BENCH_ARGS:-}
