@@ -336,7 +336,8 @@ def run_config(name: str, model: str, adapters_root: str, out: str, profile: int
             secs = [s for _, t_, s in snap["events"] if t_ == tier]
             res["pool"][f"{tier}_loads_timed"] = len(secs)
             res["pool"][f"{tier}_load_s_timed"] = round(sum(secs), 2)
-        waits = sorted(snap["adapter_waits"])  # per admitted request, seconds
+        # Per admitted request: seconds until its adapter was ready (scheduler/waits.py).
+        waits = sorted(snap["adapter_waits"])
         if waits:
             res["pool"]["adapter_wait_s"] = {
                 "requests": len(waits), "waited": sum(w > 0 for w in waits),
