@@ -128,6 +128,14 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def _check_shapes(name: str, s: SliceSpec, rank: int, a: Any, b: Any) -> None:
+    """A [rank, in] and B [out, rank] of slice `s` (tensors, or where a file
+    holds them: anything with a `shape`)."""
+    if tuple(a.shape) != (rank, s.in_features) or tuple(b.shape) != (s.out_features, rank):
+        raise ValueError(f"{name}: A {tuple(a.shape)} / B {tuple(b.shape)} do not "
+                         f"match rank {rank}, in {s.in_features}, out {s.out_features}")
+
+
 def pack_layer(
     layout: LayerLayout,
     placement: AdapterPlacement,
@@ -179,10 +187,7 @@ def pack_layers(
         s = layout.slices[g]
         have = [i for i, w in enumerate(layers) if name in w]
         for i in have:
-            a, b = layers[i][name]
-            if a.shape != (r, s.in_features) or b.shape != (s.out_features, r):
-                raise ValueError(f"{name}: A {tuple(a.shape)} / B {tuple(b.shape)} do not "
-                                 f"match rank {r}, in {s.in_features}, out {s.out_features}")
+            _check_shapes(name, s, r, *layers[i][name])
         for seg, pick in ((2 * g, 0), (2 * g + 1, 1)):
             off = placement.seg_offsets[seg]
             if off < 0:
@@ -224,9 +229,7 @@ def pack_table(layout: LayerLayout, placement: AdapterPlacement,
         for name, (a, b) in w.items():
             g = layout.slice_index(name)
             s = layout.slices[g]
-            if tuple(a.shape) != (r, s.in_features) or tuple(b.shape) != (s.out_features, r):
-                raise ValueError(f"{name}: A {tuple(a.shape)} / B {tuple(b.shape)} do not "
-                                 f"match rank {r}, in {s.in_features}, out {s.out_features}")
+            _check_shapes(name, s, r, a, b)
             for seg, t, cols in ((2 * g, a, s.in_features), (2 * g + 1, b, s.out_features)):
                 if placement.seg_offsets[seg] < 0:
                     raise ValueError(f"slice {name} is not in this adapter's placement")

@@ -50,7 +50,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
@@ -87,11 +87,19 @@ class HostAdapter:
         views of `data` (the file's bytes, e.g. copied to a device; default:
         the tier's own)."""
         names = [name for name, (layer, _) in self.where.items() if layer in layers]
-        out: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in layers]
-        for name, ab in self.weights.tensors(data, names).items():
-            layer, short = self.where[name]
-            out[layer - layers.start][short] = ab
-        return out
+        return by_layer(self.where, self.weights.tensors(data, names), layers)
+
+
+def by_layer(where: dict[str, tuple[int, str]], items: Mapping[str, T], layers: range
+             ) -> list[dict[str, T]]:
+    """Per layer of `layers`: slice name -> the item of its module path
+    (`where`: module path -> (layer, slice name); every item's layer is in
+    `layers`)."""
+    out: list[dict[str, T]] = [{} for _ in layers]
+    for name, item in items.items():
+        layer, short = where[name]
+        out[layer - layers.start][short] = item
+    return out
 
 
 class Readable(Protocol):

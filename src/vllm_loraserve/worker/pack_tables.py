@@ -26,7 +26,7 @@ import torch
 
 from vllm_loraserve.adapters.peft import RawWeights
 from vllm_loraserve.paging.layout import PACK_COLUMNS, AdapterPlacement, LayerLayout, pack_table
-from vllm_loraserve.worker.host_tier import HostAdapter
+from vllm_loraserve.worker.host_tier import HostAdapter, by_layer
 
 STAGING_ROWS = 16  # tables in flight to the device at once
 KEPT_TABLES = 256  # distinct file layouts kept on the device (40 bytes a layer and segment)
@@ -36,11 +36,7 @@ def file_table(layout: LayerLayout, num_layers: int, placement: AdapterPlacement
                raw: RawWeights, where: dict[str, tuple[int, str]]) -> np.ndarray | None:
     """The pack table of a file the reader read (`where`: module path ->
     (layer, slice name)), or None where one launch cannot pack it."""
-    layers: list[dict] = [{} for _ in range(num_layers)]
-    for name, ab in raw.modules.items():
-        layer, short = where[name]
-        layers[layer][short] = ab
-    return pack_table(layout, placement, layers)
+    return pack_table(layout, placement, by_layer(where, raw.modules, range(num_layers)))
 
 
 class TablePacker:
@@ -114,8 +110,8 @@ class TablePacker:
     def warm_up(self) -> None:
         """Launch the kernel once per file dtype, so no load compiles it
         (and CUDA loads it here: a first launch waits for the device)."""
+        rows = np.array([[0, 0, 1, 0, 0], [0, 0, 1, 1, 0]], dtype=np.int64)  # an A and a B
         for file_dtype in (torch.bfloat16, torch.float16, torch.float32):
-            rows = np.array([[0, 0, 1, 0, 0], [0, 0, 1, 1, 0]], dtype=np.int64)
             src = torch.zeros(16, dtype=file_dtype, device=self.device)
             out = torch.zeros(1, self.layout.panel, dtype=self.dtype, device=self.device)
             self._pack_streams(src, self._table(rows), out, 1, 1.0, 1, self.layout.panel)
