@@ -55,7 +55,7 @@ def _pack_kernel(src_ptr, table_ptr, out_ptr, scale, rank, stream_len, layer_lo,
                 v = v.to(src_ptr.dtype.element_ty)  # torch's product is in the file's dtype
             else:  # A[j, c]; A is [rank, cols]
                 v = tl.load(src_ptr + src + offs_j[:, None] * cols + (c0 + offs_i)[None, :],
-                            mask=mask, other=0.0).to(tl.float32)
+                            mask=mask, other=0.0)  # the file's dtype, as the branch above
             tl.store(out + offs_j[:, None] * PANEL + offs_i[None, :], v.to(OUT), mask=mask)
 
 
