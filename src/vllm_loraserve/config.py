@@ -86,16 +86,15 @@ class LoraServeConfig:
         flag="--loraserve-read-threads",
     )
     pack: str = _opt(
-        "torch",
+        "auto",
         "How a page load packs an adapter's file into page layout on the GPU. "
+        "'triton': one Triton launch per load, from a table the reader builds. "
         "'torch': a few torch calls per slice and a view per tensor, made by the "
-        "engine's thread, whose GIL the readers share (about 10 ms a load at "
-        "1000-2000 adapters on an H200). 'triton': one Triton launch per load, from "
-        "a table the reader builds. 'triton' has passed its CPU tests under "
-        "Triton's interpreter but has not run on a GPU yet: not the default until "
-        "it has (docs/benchmarks/e2e.md, session 22).",
+        "engine's thread, whose GIL the readers share (6.7 ms a load at 2000 "
+        "adapters on an H200, against 0.7 ms with 'triton': docs/benchmarks/e2e.md, "
+        "session 23). 'auto': triton on CUDA, torch elsewhere.",
         flag="--loraserve-pack",
-        choices=("torch", "triton"),
+        choices=("auto", "torch", "triton"),
     )
     max_slots: int = _opt(
         4096,

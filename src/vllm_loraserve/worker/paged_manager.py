@@ -250,7 +250,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             # whole device: the first load packed on the side stream (ahead, or a
             # cold start's group) would wait for the forward pass it should run beside.
             warm_up_pack(self.pool.layout, self.lora_config.lora_dtype, self.pool.device)
-        if self.cfg.pack == "triton":
+        if self.cfg.pack == "triton" or (self.cfg.pack == "auto"
+                                         and self.pool.device.type == "cuda"):
             self._tables = TablePacker(self.pool.layout, self.num_layers,
                                        self.lora_config.lora_dtype, self.pool.device)
             self._tables.warm_up()
