@@ -131,7 +131,8 @@ class DevicePool:
         self.large_rule = large_rule
         self._buffers = {key: TokenBatchBuffers(max_tokens, max_slots, key[1], max_rank, device)
                          for key in {SMALL, *LARGE_RULES[large_rule]}}
-        self._batches: dict[tuple[str, int], TokenBatch] = {}
+        self._batches: dict[tuple[str, int], TokenBatch] = {}  # the keys filled this step
+        self._largest_graph = 0  # rows of the largest CUDA graph captured
         self.active = False  # the step has LoRA requests (warm-up dummies count)
         self.pages: list[torch.Tensor] | None = None
         self.slots: dict[int, _Resident] = {}
@@ -271,8 +272,9 @@ class DevicePool:
             self.adapter_steps += 1
             self.adapter_step_adapters += len(used)
         token_slots = np.where(ids > 0, lut[np.maximum(ids, 0)], -1)
-        sets = self._token_sets(token_slots)
-        self._batches = {key: buf.fill(sets[key[0]], ranks) for key, buf in self._buffers.items()}
+        keys = self._keys_for(len(ids))
+        sets = self._token_sets(token_slots) if keys != {SMALL} else {"all": token_slots}
+        self._batches = {key: self._buffers[key].fill(sets[key[0]], ranks) for key in keys}
         if self.gate is not None:
             self.gate.set_tokens(token_slots)
 
@@ -296,11 +298,25 @@ class DevicePool:
         return tuple((key, -(-num_tokens // key[1]) + min(num_tokens, self.max_slots))
                      for key in keys)
 
+    def _keys_for(self, num_tokens: int) -> set[tuple[str, int]]:
+        """The buffers a step of `num_tokens` tokens fills (each fill groups
+        the tokens on the host: about 0.2 ms): those of its layer inputs'
+        plans. An input has `num_tokens` rows, or is padded to a captured
+        graph's size, at most the largest one's. A graph replays the buffers
+        its capture's plan read, so those are filled for any step it may run."""
+        keys = {key for key, _ in self._plan(num_tokens)}
+        if num_tokens <= self._largest_graph:
+            keys |= {key for key, _ in self._plan(self._largest_graph)}
+        return keys
+
     def _batches_for(self, num_tokens: int) -> list[TokenBatch]:
         """The step's batches for a layer input of `num_tokens` rows (padded
         for a CUDA graph, possibly): grids bounded by that count alone."""
         out = []
         for key, bound in self._plan(num_tokens):
+            if key not in self._batches:
+                raise RuntimeError(f"a layer input of {num_tokens} rows needs the {key} "
+                                   "token batch, which set_tokens did not fill this step")
             batch = self._batches[key]
             if batch.blocks.shape[0] != bound:
                 batch = self._batches[key] = self._buffers[key].bounded(batch, bound)
@@ -317,6 +333,8 @@ class DevicePool:
         h = self.h[:module.count, :x.shape[0]]
         pool = self.pages[layer]
         graph = capturing(x)
+        if graph:
+            self._largest_graph = max(self._largest_graph, x.shape[0])
         if self.gate is not None:
             self.gate.before_layer(layer, x)
         # The batchings hold disjoint tokens. Each expand runs before the next
