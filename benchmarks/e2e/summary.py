@@ -47,15 +47,21 @@ def _protocol(run: dict) -> str:
 
 def share_none(runs: list[dict]) -> list[dict]:
     """Give each run without a measured `none` the one of the same machine
-    boot and protocol, and compute its LoRA times against it (`roofline`).
-    Runs from before bench_e2e.py recorded the machine keep no baseline."""
+    boot and protocol; compute every run's LoRA times against its `none`
+    (`roofline`). Runs from before bench_e2e.py recorded the machine keep
+    no baseline."""
     nones: dict[str, list[dict]] = {}
     for run in runs:
         if run.get("machine") and "out_tok_s" in run["configs"].get("none", {}):
             nones.setdefault(_protocol(run), []).append(run["configs"]["none"])
     out = []
     for run in runs:
-        if "out_tok_s" in run["configs"].get("none", {}) or not run.get("machine"):
+        if "out_tok_s" in run["configs"].get("none", {}):
+            run = copy.deepcopy(run)
+            roofline(run)  # again: results files from before a field was added lack it
+            out.append(run)
+            continue
+        if not run.get("machine"):
             out.append(run)
             continue
         found = nones.get(_protocol(run), [])
@@ -95,6 +101,8 @@ def summarize(runs: list[dict]) -> dict:
                 "roofline_efficiency": r.get("roofline_efficiency"),
                 "lora_ms_per_step": r.get("lora_ms_per_step"),
                 "adapter_bytes_per_step": r.get("adapter_bytes_per_step"),
+                "steps_vs_none": r.get("steps_vs_none"),
+                "roofline_ratio": r.get("roofline_ratio"),
                 "device": run["gpu"], "vllm": run.get("vllm"), "commit": run.get("commit"),
                 "date": run.get("date"), "ranks": run.get("ranks"),
                 **({"none_shared": True} if r.get("none_shared") else {})}

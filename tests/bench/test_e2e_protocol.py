@@ -34,10 +34,27 @@ def test_ratio_and_lora_time_only_against_the_same_graphs():
     pool, stock = run["configs"]["pool-100"], run["configs"]["stock-100"]
     assert pool["lora_ms_per_step"] == pytest.approx(1e3 * (31.25 - 25) / 500, abs=1e-3)
     assert "lora_ms_per_step" not in stock and "graphs differ" in stock["vs_none"]
+    assert pool["steps_vs_none"] == 1.0 and "roofline_ratio" not in pool  # no bytes counted
     out = summary.summarize([run])
     assert out["pool-100"]["ratio_to_none"] == 0.8
     assert out["stock-100"]["ratio_to_none"] is None
     assert "off_protocol" not in out["pool-100"]
+
+
+def test_the_ratio_splits_into_steps_and_step_time_and_the_bound_counts_both():
+    """A pool that runs 10% more steps (its adapters take KV pages) with 40
+    GB of adapters a step at 4 TB/s (10 ms) over none's 50 ms steps: its
+    ratio to none is the product of the two parts, and the ratio its
+    kernels could reach is 1/1.1 * 50/60."""
+    pool = {**_config(8000, 1024, steps=550), "adapter_bytes_timed": 550 * 40e9}
+    run = _run({"none": _config(10000, 1024), "pool-1000": pool}, graph_size="decode")
+    bench_e2e.roofline(run)
+    r = run["configs"]["pool-1000"]
+    assert r["steps_vs_none"] == pytest.approx(1 / 1.1, abs=1e-3)
+    step_ratio = 50 / r["step_ms"]
+    assert r["steps_vs_none"] * step_ratio == pytest.approx(0.8, abs=2e-3)
+    assert r["roofline_ratio"] == pytest.approx(50 / 60 / 1.1, abs=1e-3)
+    assert summary.summarize([run])["pool-1000"]["roofline_ratio"] == r["roofline_ratio"]
 
 
 GRAPHS_1024 = {"compilation_config": {"max_cudagraph_capture_size": 1024}}
