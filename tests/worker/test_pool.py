@@ -236,23 +236,33 @@ def test_eager_steps_skip_empty_batchings_only():
 def test_a_step_fills_only_the_batches_its_layer_inputs_can_read(monkeypatch):
     """Each fill groups the tokens on the host, so a step fills the buffers
     of its own plan, plus those of the largest captured graph's plan when a
-    graph may pad it; a layer input whose batch was not filled is an error,
-    never a stale batch."""
+    graph may pad it. An eager input padded past them fills its own; a
+    graph capture that would need one is an error, never a stale batch."""
     monkeypatch.setattr(pool_mod, "SMALL_BATCH", 4)
     pool, _ = make_pool()
     a = adapter(8, ("q_proj",), 5)
     pool.load(0, 1, a[0], tuple(range(1, 1 + a[0].num_pages)), a[1])
     large = set(pool_mod.LARGE_RULES[pool.large_rule])
+    q = ModuleSlices.of(pool.layout, ("q_proj",))
     pool.set_tokens(np.ones(3, dtype=np.int64), ignored_ids=set())
     assert set(pool._batches) == {pool_mod.SMALL}
     with pytest.raises(RuntimeError, match="did not fill"):
-        pool._batches_for(8)  # as if padded past SMALL_BATCH: not filled
+        pool._batches_for(8, graph=True)
+    # Eager, padded to 8 rows: the large batches are filled then, and hold
+    # the step's 3 tokens (in 16- and 64-token blocks: 1 block each way).
+    batches = pool._batches_for(8)
+    assert set(pool._batches) == {pool_mod.SMALL} | large
+    assert sorted(b.num_blocks for b in batches) == [0, 1]  # short: all 3; tall: none
+    x, y = torch.randn(8, 64), torch.zeros(8, q.out_features[0])
+    pool.add_lora(0, q, x, y)
+    A, B = a[2][0]["q_proj"]
+    want = 0.5 * (x[:3] @ A.T @ B.T)
+    assert torch.allclose(y[:3], want, atol=1e-4) and not y[3:].any()
     pool.set_tokens(np.ones(6, dtype=np.int64), ignored_ids=set())
     assert set(pool._batches) == large
     # Once a graph of 8 rows is captured, a 3-token step may replay it.
     monkeypatch.setattr(pool_mod, "capturing", lambda x: True)
-    q = ModuleSlices.of(pool.layout, ("q_proj",))
     pool.add_lora(0, q, torch.zeros(8, 64), torch.zeros(8, q.out_features[0]))
     pool.set_tokens(np.ones(3, dtype=np.int64), ignored_ids=set())
     assert set(pool._batches) == {pool_mod.SMALL} | large
-    assert len(pool._batches_for(8)) == len(large) and len(pool._batches_for(3)) == 1
+    assert len(pool._batches_for(8, graph=True)) == len(large)

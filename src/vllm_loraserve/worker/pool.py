@@ -132,6 +132,7 @@ class DevicePool:
         self._buffers = {key: TokenBatchBuffers(max_tokens, max_slots, key[1], max_rank, device)
                          for key in {SMALL, *LARGE_RULES[large_rule]}}
         self._batches: dict[tuple[str, int], TokenBatch] = {}  # the keys filled this step
+        self._step: tuple[np.ndarray, np.ndarray] | None = None  # its token slots, slot ranks
         self._largest_graph = 0  # rows of the largest CUDA graph captured
         self.active = False  # the step has LoRA requests (warm-up dummies count)
         self.pages: list[torch.Tensor] | None = None
@@ -272,9 +273,10 @@ class DevicePool:
             self.adapter_steps += 1
             self.adapter_step_adapters += len(used)
         token_slots = np.where(ids > 0, lut[np.maximum(ids, 0)], -1)
-        keys = self._keys_for(len(ids))
-        sets = self._token_sets(token_slots) if keys != {SMALL} else {"all": token_slots}
-        self._batches = {key: self._buffers[key].fill(sets[key[0]], ranks) for key in keys}
+        self._step = (token_slots, ranks)
+        self._batches = {}
+        for key in self._keys_for(len(ids)):
+            self._fill(key)
         if self.gate is not None:
             self.gate.set_tokens(token_slots)
 
@@ -299,25 +301,36 @@ class DevicePool:
                      for key in keys)
 
     def _keys_for(self, num_tokens: int) -> set[tuple[str, int]]:
-        """The buffers a step of `num_tokens` tokens fills (each fill groups
-        the tokens on the host: about 0.2 ms): those of its layer inputs'
-        plans. An input has `num_tokens` rows, or is padded to a captured
-        graph's size, at most the largest one's. A graph replays the buffers
-        its capture's plan read, so those are filled for any step it may run."""
+        """The buffers a step of `num_tokens` tokens fills in set_tokens (each
+        fill groups the tokens on the host: about 0.2 ms): those of its layer
+        inputs' plans. An input has `num_tokens` rows, or is padded to a
+        captured graph's size, at most the largest one's. A graph replays the
+        buffers its capture's plan read, so those are filled for any step it
+        may run; an eager input padded past them fills its own (`_batches_for`)."""
         keys = {key for key, _ in self._plan(num_tokens)}
         if num_tokens <= self._largest_graph:
             keys |= {key for key, _ in self._plan(self._largest_graph)}
         return keys
 
-    def _batches_for(self, num_tokens: int) -> list[TokenBatch]:
+    def _fill(self, key: tuple[str, int]) -> TokenBatch:
+        token_slots, ranks = self._step
+        tokens = token_slots if key[0] == "all" else self._token_sets(token_slots)[key[0]]
+        batch = self._batches[key] = self._buffers[key].fill(tokens, ranks)
+        return batch
+
+    def _batches_for(self, num_tokens: int, graph: bool = False) -> list[TokenBatch]:
         """The step's batches for a layer input of `num_tokens` rows (padded
-        for a CUDA graph, possibly): grids bounded by that count alone."""
+        for a CUDA graph, possibly): grids bounded by that count alone.
+        `graph`: the launches are being captured (a fill now would not be
+        part of the graph's replays)."""
         out = []
         for key, bound in self._plan(num_tokens):
-            if key not in self._batches:
-                raise RuntimeError(f"a layer input of {num_tokens} rows needs the {key} "
-                                   "token batch, which set_tokens did not fill this step")
-            batch = self._batches[key]
+            batch = self._batches.get(key)
+            if batch is None:
+                if graph:
+                    raise RuntimeError(f"a CUDA graph of {num_tokens} rows needs the {key} "
+                                       "token batch, which set_tokens did not fill")
+                batch = self._fill(key)  # an eager input padded past the step's tokens
             if batch.blocks.shape[0] != bound:
                 batch = self._batches[key] = self._buffers[key].bounded(batch, bound)
             out.append(batch)
@@ -339,7 +352,7 @@ class DevicePool:
             self.gate.before_layer(layer, x)
         # The batchings hold disjoint tokens. Each expand runs before the next
         # shrink: a split-K shrink zeroes all of h first.
-        for batch in self._batches_for(x.shape[0]):
+        for batch in self._batches_for(x.shape[0], graph):
             if batch.num_blocks == 0 and not graph:
                 continue  # eager: nothing to do (a graph keeps every launch)
             self.backend.shrink(x, pool, h, batch, self.table, module, self.layout)
