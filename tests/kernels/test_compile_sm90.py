@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     for pair in PAIRS:
         src, out = pair.split("-")
         sig = dict(src_ptr="*" + src, table_ptr="*i64", out_ptr="*" + out, scale="fp32",
-                   rank="i32", stream_len="i64", layer_lo="i32", layer_hi="i32",
+                   rank="i32", stream_len="i32", layer_lo="i32", layer_hi="i32",
                    NCOL="constexpr", PANEL="constexpr", BR="constexpr", OUT="constexpr")
         const = dict(NCOL=len(PACK_COLUMNS), PANEL=128, BR=16, OUT=names[out])
         k = triton.compile(ASTSource(fn=_pack_kernel, signature=sig, constexprs=const),
@@ -40,7 +40,8 @@ PAIRS = ["bf16-bf16", "fp32-bf16", "bf16-fp16", "fp16-bf16", "fp16-fp32"]
 
 
 def test_pack_kernel_compiles_for_sm90():
-    pytest.importorskip("triton.backends.nvidia")
+    pytest.importorskip("triton")  # none off x86_64; CI pins it (pyproject's test extra)
+    import triton.backends.nvidia  # noqa: F401  (a Triton without it cannot check this)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton's default; silences its warning
     done = subprocess.run([sys.executable, "-c", f"PAIRS = {PAIRS!r}\n" + SCRIPT], env=env,
