@@ -102,6 +102,8 @@ def summarize(runs: list[dict]) -> dict:
                 "lora_ms_per_step": r.get("lora_ms_per_step"),
                 "adapter_bytes_per_step": r.get("adapter_bytes_per_step"),
                 "steps_vs_none": r.get("steps_vs_none"),
+                "extra_ms_per_step": r.get("extra_ms_per_step"),
+                "roofline_efficiency_total": r.get("roofline_efficiency_total"),
                 "roofline_ratio": r.get("roofline_ratio"),
                 "device": run["gpu"], "vllm": run.get("vllm"), "commit": run.get("commit"),
                 "date": run.get("date"), "ranks": run.get("ranks"),

@@ -3,10 +3,12 @@
 token -> slot map, then the tokens grouped into work blocks and jobs for each
 token batch the step's layers read, copied to the kernels' buffers.
 
-vLLM prepares a step on the host after the step before it has finished (no
-async scheduling in vLLM 0.26), so this time adds to every step with adapter
-tokens. The pool is built on the CPU with the torch backend: no kernels run,
-only the host's work is timed. `--baseline` loads another worker/pool.py into
+It runs on the engine's thread. With vLLM's async scheduling (on by default
+in 0.26, with the plugin too) the host prepares a step while the GPU runs
+the one before, so this time costs throughput only where the host paces the
+GPU; it is CPU time the host tier's readers, which share the engine's GIL,
+then do not get. The pool is built on the CPU with the torch backend: no
+kernels run, only the host's work is timed. `--baseline` loads another worker/pool.py into
 the same process for an A/B.
 
     PYTHONPATH=src python benchmarks/kernels/set_tokens_cost.py \

@@ -90,8 +90,8 @@ class LoraServeConfig:
         "How a page load packs an adapter's file into page layout on the GPU. "
         "'triton': one Triton launch per load, from a table the reader builds. "
         "'torch': a few torch calls per slice and a view per tensor, made by the "
-        "engine's thread, whose GIL the readers share (6.7 ms a load at 2000 "
-        "adapters on an H200, against 0.7 ms with 'triton': docs/benchmarks/e2e.md, "
+        "engine's thread, whose GIL the readers share (6.3 ms a load at 2000 "
+        "adapters on an H200, against 0.65 ms with 'triton': docs/benchmarks/e2e.md, "
         "session 23). 'auto': triton on CUDA, torch elsewhere.",
         flag="--loraserve-pack",
         choices=("auto", "torch", "triton"),
