@@ -18,6 +18,11 @@
 # cold-start keeps its results across calls on a warm machine, so calls of one
 # mode each add up to one ttft.json (each mode's server compiles its own graphs).
 # LORASERVE_COMMIT (the commit sent; the device has no .git) goes into results.json.
+# CODE_AB (offline): a directory holding another commit's project tree, carried
+# (e.g. .ab/base, from `mkdir -p .ab/base && git archive REF | tar -x -C .ab/base`;
+# .ab/ is ignored, so add it to carry) and CODE_AB_COMMIT its commit: the configs run
+# first with that tree installed ($OUT/offline-base.json), then with this one
+# ($OUT/offline.json), on one machine, with this tree's bench_e2e.py.
 # GPU_TESTS: the pool tests gpu-tests runs N times (default tests/gpu/test_pool_gpu.py);
 # GPU_ONCE: tests gpu-tests runs once first (default tests/gpu/test_kernels_gpu.py).
 # LORASERVE_BUILD_OPS=1 builds the csrc/ op at the install (default 0: skipped),
@@ -62,6 +67,16 @@ within() {
 
 case $what in
   offline)
+    if [[ -n ${CODE_AB:-} ]]; then  # the other tree first, then this one back
+      LORASERVE_BUILD_OPS=${LORASERVE_BUILD_OPS:-0} python3 -m pip install -q --no-deps \
+        --no-build-isolation --no-index -e "$CODE_AB" \
+        > "$OUT/install-base.log" 2>&1 || { tail -30 "$OUT/install-base.log"; exit 3; }
+      LORASERVE_COMMIT=${CODE_AB_COMMIT:-baseline} within python3 benchmarks/e2e/bench_e2e.py \
+        --configs "$arg" --out "$work/base" --timeout-s 240 ${BENCH_ARGS:-}
+      cp "$work/base/results.json" "$OUT/offline-base.json"
+      LORASERVE_BUILD_OPS=${LORASERVE_BUILD_OPS:-0} python3 -m pip install -q --no-deps \
+        --no-build-isolation --no-index -e . >> "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 3; }
+    fi
     if [[ -z ${POOL_CONFIGS:-} ]]; then
       within python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --out "$work" --timeout-s 240 \
         ${BENCH_ARGS:-}
