@@ -462,6 +462,11 @@ def same_graphs(config: dict, none: dict) -> bool:
     return config.get("graph_max_size") == none.get("graph_max_size")
 
 
+# roofline()'s results that depend on none's run
+VS_NONE = ("lora_ms_per_step", "steps_vs_none", "extra_ms_per_step", "roofline_ratio",
+           "roofline_efficiency", "roofline_efficiency_total")
+
+
 def roofline(summary: dict) -> None:
     """Each config's LoRA time per step (its step time minus none's), adapter
     bytes read per step and roofline efficiency (module docstring)."""
@@ -470,6 +475,8 @@ def roofline(summary: dict) -> None:
         return
     none_step = none["gen_s"] / none["engine_steps"]
     for r in summary["configs"].values():
+        for key in VS_NONE:  # computed again (summary.py), never kept from an older run
+            r.pop(key, None)
         if not r.get("engine_steps"):
             continue
         if not same_graphs(r, none):
