@@ -41,10 +41,12 @@ case $what in offline|online|profile|gpu-tests|cold-start) ;; *) echo "unknown c
 command -v nvidia-smi >/dev/null || { echo "not a GPU machine: run this through device" >&2; exit 2; }
 source .devbundle/p1/vllm_install.sh >/dev/null || exit 3
 # The csrc/ op (setup.py) is built only when asked: nvcc takes device time.
+install() {  # install the project tree $1, logging to $2
+  LORASERVE_BUILD_OPS=${LORASERVE_BUILD_OPS:-0} python3 -m pip install -v --no-deps \
+    --no-build-isolation --no-index -e "$1" >> "$2" 2>&1 || { tail -30 "$2"; exit 3; }
+}
 t0=$(date +%s)
-LORASERVE_BUILD_OPS=${LORASERVE_BUILD_OPS:-0} python3 -m pip install -v --no-deps \
-  --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
-  || { tail -30 "$OUT/install.log"; exit 3; }
+install . "$OUT/install.log"
 echo "plugin installed in $(( $(date +%s) - t0 )) s (LORASERVE_BUILD_OPS=${LORASERVE_BUILD_OPS:-0})"
 grep "vllm-loraserve:" "$OUT/install.log"
 export PYTHONUNBUFFERED=1
@@ -68,14 +70,11 @@ within() {
 case $what in
   offline)
     if [[ -n ${CODE_AB:-} ]]; then  # the other tree first, then this one back
-      LORASERVE_BUILD_OPS=${LORASERVE_BUILD_OPS:-0} python3 -m pip install -q --no-deps \
-        --no-build-isolation --no-index -e "$CODE_AB" \
-        > "$OUT/install-base.log" 2>&1 || { tail -30 "$OUT/install-base.log"; exit 3; }
+      install "$CODE_AB" "$OUT/install-base.log"
       LORASERVE_COMMIT=${CODE_AB_COMMIT:-baseline} within python3 benchmarks/e2e/bench_e2e.py \
         --configs "$arg" --out "$work/base" --timeout-s 240 ${BENCH_ARGS:-}
       cp "$work/base/results.json" "$OUT/offline-base.json"
-      LORASERVE_BUILD_OPS=${LORASERVE_BUILD_OPS:-0} python3 -m pip install -q --no-deps \
-        --no-build-isolation --no-index -e . >> "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 3; }
+      install . "$OUT/install.log"
     fi
     if [[ -z ${POOL_CONFIGS:-} ]]; then
       within python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --out "$work" --timeout-s 240 \

@@ -123,6 +123,14 @@ class _StreamFence:
             e.synchronize()
 
 
+def _on_device(choice: str, device: torch.device | str) -> str:
+    """A kernel choice (--loraserve-kernel, --loraserve-pack) with 'auto'
+    resolved: triton on CUDA, torch elsewhere."""
+    if choice != "auto":
+        return choice
+    return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
 class PagedWorkerLoRAManager(WorkerLoRAManager):
     _manager_cls = PagedLoRAModelManager
 
@@ -185,9 +193,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         # The page size is only known once the KV cache exists; the slices are
         # not, and the wrapped layers must match them (checked here).
         layout = model_layout(text_config, 256)
-        backend = self.cfg.kernel
-        if backend == "auto":
-            backend = "triton" if torch.device(self.device).type == "cuda" else "torch"
+        backend = _on_device(self.cfg.kernel, self.device)
         layers = []
         for name, module in manager.modules.items():
             if not isinstance(module, BaseLinearLayerWithLoRA):
@@ -250,8 +256,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             # whole device: the first load packed on the side stream (ahead, or a
             # cold start's group) would wait for the forward pass it should run beside.
             warm_up_pack(self.pool.layout, self.lora_config.lora_dtype, self.pool.device)
-        if self.cfg.pack == "triton" or (self.cfg.pack == "auto"
-                                         and self.pool.device.type == "cuda"):
+        if _on_device(self.cfg.pack, self.pool.device) == "triton":
             self._tables = TablePacker(self.pool.layout, self.num_layers,
                                        self.lora_config.lora_dtype, self.pool.device)
             self._tables.warm_up()

@@ -133,6 +133,7 @@ class DevicePool:
                          for key in {SMALL, *LARGE_RULES[large_rule]}}
         self._batches: dict[tuple[str, int], TokenBatch] = {}  # the keys filled this step
         self._step: tuple[np.ndarray, np.ndarray] | None = None  # its token slots, slot ranks
+        self._sets: dict[str, np.ndarray] | None = None  # its token sets, once one is filled
         self._largest_graph = 0  # rows of the largest CUDA graph captured
         self.active = False  # the step has LoRA requests (warm-up dummies count)
         self.pages: list[torch.Tensor] | None = None
@@ -273,7 +274,7 @@ class DevicePool:
             self.adapter_steps += 1
             self.adapter_step_adapters += len(used)
         token_slots = np.where(ids > 0, lut[np.maximum(ids, 0)], -1)
-        self._step = (token_slots, ranks)
+        self._step, self._sets = (token_slots, ranks), None
         self._batches = {}
         for key in self._keys_for(len(ids)):
             self._fill(key)
@@ -314,7 +315,9 @@ class DevicePool:
 
     def _fill(self, key: tuple[str, int]) -> TokenBatch:
         token_slots, ranks = self._step
-        tokens = token_slots if key[0] == "all" else self._token_sets(token_slots)[key[0]]
+        if key[0] != "all" and self._sets is None:  # the large rule's buffers share them
+            self._sets = self._token_sets(token_slots)
+        tokens = token_slots if key[0] == "all" else self._sets[key[0]]
         batch = self._batches[key] = self._buffers[key].fill(tokens, ranks)
         return batch
 
