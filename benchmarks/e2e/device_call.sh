@@ -23,6 +23,8 @@
 # .ab/ is ignored, so add it to carry) and CODE_AB_COMMIT its commit: the configs run
 # first with that tree installed ($OUT/offline-base.json), then with this one
 # ($OUT/offline.json), on one machine, with this tree's bench_e2e.py.
+# An A/B (CODE_AB, or several POOL_CONFIGS sets) is refused at once where
+# SECONDS cannot hold all its runs (about 100 s each, 80 s more on a fresh machine).
 # GPU_TESTS: the pool tests gpu-tests runs N times (default tests/gpu/test_pool_gpu.py);
 # GPU_ONCE: tests gpu-tests runs once first (default tests/gpu/test_kernels_gpu.py).
 # LORASERVE_BUILD_OPS=1 builds the csrc/ op at the install (default 0: skipped),
@@ -39,6 +41,24 @@ start=$(date +%s) status=0
 case $what in offline|online|profile|gpu-tests|cold-start) ;; *) echo "unknown call $what" >&2; exit 2 ;; esac
 # The bundle installs into this machine's python3: never on the CPU machine.
 command -v nvidia-smi >/dev/null || { echo "not a GPU machine: run this through device" >&2; exit 2; }
+# An offline A/B (CODE_AB, or several POOL_CONFIGS sets) whose later runs
+# would not fit is refused before any run: its first runs alone compare
+# nothing. A config's run takes about 100 s on a warm machine (engine start
+# 45-60 s, the timed run 30-40 s); a fresh machine's first start compiles,
+# about 80 s more.
+if [[ $what == offline ]] && [[ -n ${CODE_AB:-} || ${POOL_CONFIGS:-} == *";"* ]]; then
+  IFS=',' read -ra configs <<< "$arg"
+  IFS=';' read -ra sets <<< "${POOL_CONFIGS:-one}"
+  trees=1 compile=80
+  [[ -n ${CODE_AB:-} ]] && trees=2
+  compgen -G "$HOME/.cache/vllm/torch_compile_cache/*" > /dev/null && compile=0
+  runs=$((${#configs[@]} * ${#sets[@]} * trees))
+  need=$((runs * 100 + compile + 20 + $(date +%s) - start))
+  if (( need > limit )); then
+    echo "the A/B's $runs runs need about $need s; SECONDS is $limit: refused" >&2; exit 2
+  fi
+fi
+
 source .devbundle/p1/vllm_install.sh >/dev/null || exit 3
 # The csrc/ op (setup.py) is built only when asked: nvcc takes device time.
 install() {  # install the project tree $1, logging to $2
