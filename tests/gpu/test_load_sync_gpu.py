@@ -19,7 +19,6 @@ import torch
 from vllm_loraserve.paging.layout import pack_layers
 from vllm_loraserve.worker import pack_tables
 from vllm_loraserve.worker.pack_tables import TablePacker, file_table
-from vllm_loraserve.worker.paged_manager import copy_beside
 from vllm_loraserve.worker.pool import DevicePool
 
 from ..worker.test_cold_start import KV_SHAPE, LAYERS, LAYOUT, MODULES, host_adapter, page_ids
@@ -44,10 +43,8 @@ def test_page_loads_and_evictions_never_wait_for_the_device(tmp_path, pack):
         entry = dataclasses.replace(entry, pack_table=file_table(
             LAYOUT, LAYERS, entry.placement, entry.weights, entry.where))
 
-    side = torch.cuda.Stream(DEV)
-
     def load(slot: int) -> None:  # as worker/paged_manager.py `_load`
-        data = copy_beside(entry.weights.data, side)
+        data = entry.weights.data.to(DEV, non_blocking=True)
         if tables is not None:
             streams = tables.pack(entry, data, range(LAYERS))
         else:
@@ -125,26 +122,3 @@ def test_a_busy_staging_row_is_not_waited_for(monkeypatch):
     assert tables._table(first) is not None  # kept: no copy
     torch.cuda.synchronize()
     assert tables._table(second) is not None
-
-
-def test_a_load_copies_beside_the_step_in_flight():
-    """A load's host-to-device copy (`copy_beside`) runs on the side stream
-    while the compute stream is still busy with the step before, and what
-    reads the data on the compute stream sees all of it."""
-    host = torch.randn(1 << 22).pin_memory()  # 16 MiB, a rank-64 adapter's file
-    side = torch.cuda.Stream(DEV)
-    got = torch.empty_like(host).pin_memory()
-    for _ in range(2):  # the second time, the data's memory is the allocator's again
-        torch.cuda._sleep(500_000_000)  # ~0.3 s: the step in flight
-        data = copy_beside(host, side)
-        landed = torch.cuda.Event()
-        landed.record(side)
-        got.zero_()
-        got.copy_(data * 1, non_blocking=True)  # queued behind the step in flight
-        read = torch.cuda.Event()
-        read.record()
-        del data
-        landed.synchronize()
-        assert not read.query(), "the copy waited for the step in flight"
-        read.synchronize()
-        assert torch.equal(got, host)

@@ -123,25 +123,6 @@ class _StreamFence:
             e.synchronize()
 
 
-def copy_beside(host: torch.Tensor, side: torch.cuda.Stream) -> torch.Tensor:
-    """`host` (pinned) copied to `side`'s device, usable on the current
-    stream. The copy runs on `side`, where it starts at once: on the current
-    stream it would queue behind the forward pass before it (async scheduling
-    issues a step's loads while the last step runs) and then run with the
-    SMs idle. Only what reads it next on the current stream waits for it (an
-    event). Called on `side` itself, it copies there."""
-    current = torch.cuda.current_stream(side.device)
-    if current == side:
-        return host.to(side.device, non_blocking=True)
-    with torch.cuda.stream(side):  # allocated from the side stream's pool
-        data = host.to(side.device, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(side)
-    current.wait_event(copied)
-    data.record_stream(current)  # its memory is reused only once the current stream read it
-    return data
-
-
 def _on_device(choice: str, device: torch.device | str) -> str:
     """A kernel choice (--loraserve-kernel, --loraserve-pack) with 'auto'
     resolved: triton on CUDA, torch elsewhere."""
@@ -355,8 +336,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         launch from the entry's pack table (--loraserve-pack triton), else
         with torch (pack_layers)."""
         if data is None:
-            data = (entry.weights.data.to(self.device, non_blocking=True) if self._side is None
-                    else copy_beside(entry.weights.data, self._side))
+            data = entry.weights.data.to(self.device, non_blocking=True)
         layers = range(self.num_layers) if layers is None else layers
         if self._tables is not None and entry.pack_table is not None:
             streams = self._tables.pack(entry, data, layers)
