@@ -374,22 +374,37 @@ def run_config(name: str, model: str, adapters_root: str, out: str, profile: int
 LORA_KERNELS = ("_shrink_kernel", "_shrink_stream_kernel", "_expand_kernel")
 
 
+# Upper bounds (µs) of the gap classes `gpu_busy` sums the idle time in:
+# launch gaps inside a CUDA graph are a few µs; a host that paces the GPU
+# leaves tens to hundreds; a step that waits for the host, milliseconds.
+GAP_CLASSES_US = {"<=5us": 5, "<=50us": 50, "<=1ms": 1000, ">1ms": float("inf")}
+
+
 def gpu_busy(events, wall_s: float) -> dict:
     """Seconds some kernel or copy ran on the GPU (the union of their
     intervals), against the run's wall time: the rest is the GPU waiting for
-    the host. Also the pool's kernels' own seconds."""
+    the host. The gaps between those intervals, by length (`idle_gaps`:
+    seconds and count per class of GAP_CLASSES_US; the idle time before the
+    first and after the last interval is not a gap). Also the pool's
+    kernels' own seconds and launches."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
                    if e.device_type.name == "CUDA")
     busy, end = 0.0, float("-inf")
+    gaps = {k: [0.0, 0] for k in GAP_CLASSES_US}
     for a, b in spans:
+        if a > end > float("-inf"):
+            gap = next(k for k, c in GAP_CLASSES_US.items() if a - end <= c)
+            gaps[gap][0] += (a - end) / 1e6
+            gaps[gap][1] += 1
         if b > end:
             busy += b - max(a, end)
             end = b
-    lora = sum(e.time_range.end - e.time_range.start for e in events
-               if e.device_type.name == "CUDA" and e.name.startswith(LORA_KERNELS))
+    lora = [e.time_range.end - e.time_range.start for e in events
+            if e.device_type.name == "CUDA" and e.name.startswith(LORA_KERNELS)]
     return {"wall_s": round(wall_s, 3), "busy_s": round(busy / 1e6, 3),
-            "idle_s": round(wall_s - busy / 1e6, 3), "lora_kernel_s": round(lora / 1e6, 3),
-            "device_events": len(spans)}
+            "idle_s": round(wall_s - busy / 1e6, 3), "lora_kernel_s": round(sum(lora) / 1e6, 3),
+            "lora_kernels": len(lora), "device_events": len(spans),
+            "idle_gaps": {k: {"s": round(v[0], 4), "n": v[1]} for k, v in gaps.items()}}
 
 
 def _profile(llm, name, prompts, params, lora, out, cpu: bool = True) -> None:

@@ -114,3 +114,28 @@ def test_calls_of_one_machine_share_its_none_and_no_other():
     again = _run({"none": _config(9000, 1024)}, machine="boot-a", graph_size="decode")
     with pytest.raises(SystemExit, match="2 `none` runs"):
         summary.summarize([first, again, second])
+
+
+def test_gpu_busy_sums_the_gaps_between_device_intervals_by_length():
+    """Busy time is the union of the device's intervals; each gap between
+    them lands in one length class; host events and the time before the
+    first interval count in neither."""
+    from types import SimpleNamespace as NS
+
+    def ev(name, a, b, dev="CUDA"):  # µs, as torch.profiler's time ranges
+        return NS(name=name, device_type=NS(name=dev), time_range=NS(start=a, end=b))
+
+    events = [ev("gemm", 0, 1_000_000), ev("_shrink_stream_kernel_0", 500_000, 2_000_000),
+              ev("_expand_kernel", 2_000_003, 3_000_000),   # after a 3 µs gap
+              ev("memset", 3_000_020, 4_000_000),           # 20 µs
+              ev("gemm", 4_000_500, 5_000_000),             # 500 µs
+              ev("gemm", 5_003_000, 6_000_000),             # 3 ms
+              ev("host op", 6_000_000, 9_000_000, dev="CPU")]
+    busy = bench_e2e.gpu_busy(events, wall_s=7.0)
+    assert busy["busy_s"] == pytest.approx(5.996, abs=1e-3)  # the overlap counted once
+    assert busy["idle_s"] == pytest.approx(1.004, abs=1e-3)
+    assert busy["lora_kernels"] == 2 and busy["device_events"] == 6
+    assert {k: v["n"] for k, v in busy["idle_gaps"].items()} == {
+        "<=5us": 1, "<=50us": 1, "<=1ms": 1, ">1ms": 1}
+    assert busy["idle_gaps"]["<=1ms"]["s"] == pytest.approx(500e-6)
+    assert busy["idle_gaps"][">1ms"]["s"] == pytest.approx(3000e-6)
