@@ -398,7 +398,10 @@ class ColdStart:
     def set_tokens(self, token_slots: np.ndarray) -> None:
         for c in self._assisted:
             rows = np.flatnonzero(token_slots == c.load.slot)
-            c.rows = torch.as_tensor(rows, dtype=torch.long).to(self.device)
+            # Asynchronous: a blocking copy from pageable memory would wait for
+            # the step in flight (torch synchronizes the stream); CUDA stages
+            # an asynchronous one from pageable memory at once, device-ordered.
+            c.rows = torch.as_tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
 
     def before_layer(self, layer: int, x: torch.Tensor) -> None:
         capture = self.mode == "pipelined" and capturing(x)
