@@ -9,7 +9,12 @@ the same process:
   scattered over it, as over a KV cache that fills the GPU (address
   translation over a large range);
 - `--programs-per-sm N,...`: triton_mbgmm.PROGRAMS_PER_SM (the grid-stride
-  programs per SM of both kernels).
+  programs per SM of both kernels);
+- `--stream-programs-per-sm N,...`: triton_mbgmm.STREAM_PROGRAMS_PER_SM (the
+  stream-K shrink's grid).
+
+`zero_us` is the shrink's memset of h alone (the stream-K shrink adds into
+a zeroed h; `shrink_us` includes it).
 
     python benchmarks/kernels/kernel_parts.py --shape llama3-8b --targets all-linear \\
         --mixes pow-200 --tokens 256,768 --layer-gb 3.5 --programs-per-sm 8,128 --out p.json
@@ -55,6 +60,11 @@ def parts(pool, kind: str, tokens: int, dev: torch.device) -> dict:
     b = pool.backend
     batches = pool._batches_for(tokens)
 
+    def zero():
+        for _ in range(LAYERS):
+            for _ in batches:
+                h.zero_()
+
     def shrink():
         for layer in range(LAYERS):
             for batch in batches:
@@ -71,7 +81,8 @@ def parts(pool, kind: str, tokens: int, dev: torch.device) -> dict:
 
     shrink()  # h as the expand reads it
     out = {f"{name}_us": round(graph_us(fn) / LAYERS, 2)
-           for name, fn in (("shrink", shrink), ("expand", expand), ("both", both))}
+           for name, fn in (("zero", zero), ("shrink", shrink), ("expand", expand),
+                            ("both", both))}
     a, bb, a_blk, b_blk = module_bytes(pool, m, batches)
     out.update(a_mb=round(a / 1e6, 2), b_mb=round(bb / 1e6, 2),
                a_blocks_mb=round(a_blk / 1e6, 2), b_blocks_mb=round(b_blk / 1e6, 2),
@@ -87,22 +98,27 @@ def main() -> None:
     ap.add_argument("--tokens", default="16,256,768")
     ap.add_argument("--layer-gb", type=float, default=0.0)
     ap.add_argument("--programs-per-sm", default="")
+    ap.add_argument("--stream-programs-per-sm", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
     shape, kinds = SHAPES[a.shape], TARGETS[a.targets]
     peak = copy_tb_s(dev)
     print(f"copy: {peak:.2f} TB/s", flush=True)
-    default_pps = triton_mbgmm.PROGRAMS_PER_SM
-    variants = [("default", 0.0, default_pps)]
+    # Each variant: (name, layer GB, triton_mbgmm constants it sets).
+    knobs = {"pps": "PROGRAMS_PER_SM", "spps": "STREAM_PROGRAMS_PER_SM"}
+    defaults = {c: getattr(triton_mbgmm, c) for c in knobs.values()}
+    variants = [("default", 0.0, {})]
     if a.layer_gb:
-        variants.append((f"layer{a.layer_gb:g}gb", a.layer_gb, default_pps))
-    variants += [(f"pps{n}", 0.0, int(n)) for n in a.programs_per_sm.split(",") if n]
+        variants.append((f"layer{a.layer_gb:g}gb", a.layer_gb, {}))
+    for tag, values in (("pps", a.programs_per_sm), ("spps", a.stream_programs_per_sm)):
+        variants += [(f"{tag}{n}", 0.0, {knobs[tag]: int(n)}) for n in values.split(",") if n]
     rows = []
     for mix in a.mixes.split(","):
         for t in (int(v) for v in a.tokens.split(",")):
-            for name, layer_gb, pps in variants:
-                triton_mbgmm.PROGRAMS_PER_SM = pps
+            for name, layer_gb, consts in variants:
+                for c, v in {**defaults, **consts}.items():
+                    setattr(triton_mbgmm, c, v)
                 pool, step_bytes, distinct = build(shape, kinds, mix, t, dev,
                                                    layer_gb=layer_gb)
                 row = dict(mix=mix, tokens=t, variant=name, distinct=distinct,
@@ -119,7 +135,8 @@ def main() -> None:
                 rows.append(row)
                 del pool
                 torch.cuda.empty_cache()
-    triton_mbgmm.PROGRAMS_PER_SM = default_pps
+    for c, v in defaults.items():
+        setattr(triton_mbgmm, c, v)
     json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": triton.__version__, "shape": a.shape, "targets": a.targets,
                "layers": LAYERS, "copy_tb_s": round(peak, 3), "rows": rows},

@@ -35,13 +35,17 @@ def test_blocks_cover_every_adapter_token_once_within_the_graph_bound(slots, blo
         assert all(slots[t] == slot for t in tokens)
         covered += tokens.tolist()
     assert sorted(covered) == [t for t, s in enumerate(slots) if s >= 0]
-    # Jobs: each block's rank rows [0, rank) in JOB_ROWS-row jobs, once each.
+    # Jobs: each block's rank rows [0, rank) in JOB_ROWS-row jobs, once each,
+    # a job's row carrying its block's (slot, start, length).
     jobs = batch.jobs[:int(batch.num_jobs_dev[0])].numpy()
     assert len(jobs) <= batch.max_jobs
-    rows = sorted((int(b), int(r0) + i) for b, r0 in jobs for i in range(JOB_ROWS)
-                  if int(r0) + i < ranks[blocks[b][0]])
+    block_of = {tuple(int(v) for v in row): b for b, row in enumerate(blocks)}
+    assert len(block_of) == n
+    job_blocks = [block_of[tuple(int(v) for v in job[:3])] for job in jobs]
+    rows = sorted((b, int(job[3]) + i) for b, job in zip(job_blocks, jobs, strict=True)
+                  for i in range(JOB_ROWS) if int(job[3]) + i < ranks[blocks[b][0]])
     assert rows == [(b, r) for b in range(n) for r in range(ranks[blocks[b][0]])]
-    assert all(r0 % JOB_ROWS == 0 and r0 < ranks[blocks[b][0]] for b, r0 in jobs)
+    assert all(job[3] % JOB_ROWS == 0 and job[3] < ranks[job[0]] for job in jobs)
 
 
 def test_a_rank_above_the_buffers_max_is_refused():

@@ -137,17 +137,23 @@ class SlotTable:
 JOB_ROWS = 32  # rank rows per shrink job (the shrink's tile height over the rank)
 
 
+JOB_COLS = 4  # a job's row: its block's (slot, start, length), then its first rank row
+
+
 def _jobs(blocks: np.ndarray, ranks) -> np.ndarray:
-    """(block index, first rank row) of every JOB_ROWS rows of each block's
-    slot rank, blocks in order: together they cover each block's rank rows
-    exactly once. `ranks[slot]` is the rank of the adapter in `slot`."""
+    """A row per JOB_ROWS rows of each block's slot rank, blocks in order:
+    the block's (slot, start, length) and the first of those rank rows
+    (the shrink reads the block with the job, not after it). Together they
+    cover each block's rank rows exactly once. `ranks[slot]` is the rank of
+    the adapter in `slot`."""
     ranks = np.asarray(ranks.cpu() if isinstance(ranks, torch.Tensor) else ranks,
                        dtype=np.int64)
     tiles = -(-ranks[blocks[:, 0]] // JOB_ROWS) if len(blocks) else np.zeros(0, np.int64)
     block = np.repeat(np.arange(len(blocks)), tiles)
     first = np.repeat(np.cumsum(tiles) - tiles, tiles)
-    return np.stack([block, (np.arange(len(block)) - first) * JOB_ROWS],
-                    axis=1).astype(np.int32).reshape(-1, 2)
+    rows = ((np.arange(len(block)) - first) * JOB_ROWS)[:, None]
+    return np.concatenate([blocks.reshape(-1, 3)[block], rows],
+                          axis=1).astype(np.int32).reshape(-1, JOB_COLS)
 
 
 def _group_tokens(token_slots, block_m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -182,7 +188,7 @@ class TokenBatch:
     num_blocks_dev: torch.Tensor  # [1] int32, on the kernels' device
     num_blocks: int
     block_m: int
-    jobs: torch.Tensor | None = None  # [max_jobs, 2] int32: (block, first rank row)
+    jobs: torch.Tensor | None = None  # [max_jobs, JOB_COLS] int32 (`_jobs`)
     num_jobs_dev: torch.Tensor | None = None  # [1] int32, on the kernels' device
 
     @classmethod
@@ -235,14 +241,14 @@ class TokenBatchBuffers:
         # compiled for at warm-up (worker/pool.py), whatever the sizes.
         self._blocks_at = _round_up(max_tokens, 4)
         self._jobs_at = self._blocks_at + _round_up(3 * max_blocks, 4)
-        self._count_at = self._jobs_at + _round_up(2 * max_jobs, 4)
+        self._count_at = self._jobs_at + _round_up(JOB_COLS * max_jobs, 4)
         size = self._count_at + 8
         self._device_buf = torch.zeros(size, dtype=torch.int32, device=device)
         self.sorted_tokens = self._device_buf[:max_tokens]
         self.blocks = self._device_buf[self._blocks_at:self._blocks_at + 3 * max_blocks].view(
             max_blocks, 3)
-        self.jobs = self._device_buf[self._jobs_at:self._jobs_at + 2 * max_jobs].view(
-            max_jobs, 2)
+        self.jobs = self._device_buf[self._jobs_at:self._jobs_at + JOB_COLS * max_jobs].view(
+            max_jobs, JOB_COLS)
         self.num_blocks = self._device_buf[self._count_at:self._count_at + 1]
         self.num_jobs = self._device_buf[self._count_at + 4:self._count_at + 5]
         cuda = torch.device(device).type == "cuda"
@@ -259,7 +265,7 @@ class TokenBatchBuffers:
             raise ValueError(f"{len(token_slots)} tokens > buffer capacity {self.max_tokens}")
         order, blocks = _group_tokens(token_slots, self.block_m)
         jobs = _jobs(blocks, ranks)
-        if len(jobs) and jobs[:, 1].max() >= self.job_tiles * JOB_ROWS:
+        if len(jobs) and jobs[:, 3].max() >= self.job_tiles * JOB_ROWS:
             raise ValueError("a slot's rank exceeds the max_rank the buffers were made for")
         self._turn = (self._turn + 1) % len(self._staging)
         host, done = self._staging[self._turn], self._copied[self._turn]

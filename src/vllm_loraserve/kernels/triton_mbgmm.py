@@ -91,13 +91,15 @@ def _shrink_kernel(
     # blocks a graph's worst case allows but the step does not have.
     for blk in range(pid0 // SPLIT_K, tl.load(nblocks_ptr), stride_blk):
         slot = tl.load(blocks_ptr + blk * 3)
+        start = tl.load(blocks_ptr + blk * 3 + 1)
+        length = tl.load(blocks_ptr + blk * 3 + 2)
         rank = tl.load(rank_ptr + slot)
         seg_off = tl.load(seg_ptr + slot * num_segs + seg0 + 2 * s)
+        # The tokens are read beside the slot's entries, not after the test
+        # below: one dependent round trip less before the weights.
+        m_mask = offs_m < length
+        toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
         if (seg_off >= 0) & (n0 < rank):  # rank tiles past the slot's rank: no work
-            start = tl.load(blocks_ptr + blk * 3 + 1)
-            length = tl.load(blocks_ptr + blk * 3 + 2)
-            m_mask = offs_m < length
-            toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
             offs_n = n0 + tl.arange(0, BN)
             n_mask = offs_n < rank
             page_row = pages_ptr + slot * max_pages
@@ -120,8 +122,7 @@ def _shrink_kernel(
 
 @triton.jit
 def _shrink_stream_kernel(
-    x_ptr, pool_ptr, h_ptr, tok_ptr, blocks_ptr, rank_ptr, seg_ptr, pages_ptr,
-    jobs_ptr, njobs_ptr,
+    x_ptr, pool_ptr, h_ptr, tok_ptr, rank_ptr, seg_ptr, pages_ptr, jobs_ptr, njobs_ptr,
     K, page_size, num_segs, max_pages, seg0,
     stride_xt, stride_hs, stride_ht,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, COUNT: tl.constexpr,
@@ -146,16 +147,17 @@ def _shrink_stream_kernel(
         c1 = tl.minimum(chunks, c0 + (u_end - u))
         job = piece // COUNT
         s = piece % COUNT
-        blk = tl.load(jobs_ptr + job * 2)
-        n0 = tl.load(jobs_ptr + job * 2 + 1)
-        slot = tl.load(blocks_ptr + blk * 3)
+        # A job's row holds its block's (slot, start, length) and first rank
+        # row: the slot's entries and the tokens are one round trip after it.
+        slot = tl.load(jobs_ptr + job * 4)
+        start = tl.load(jobs_ptr + job * 4 + 1)
+        length = tl.load(jobs_ptr + job * 4 + 2)
+        n0 = tl.load(jobs_ptr + job * 4 + 3)
         rank = tl.load(rank_ptr + slot)
         seg_off = tl.load(seg_ptr + slot * num_segs + seg0 + 2 * s)
+        m_mask = offs_m < length
+        toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
         if (seg_off >= 0) & (n0 < rank):  # rank 0: a hidden slot
-            start = tl.load(blocks_ptr + blk * 3 + 1)
-            length = tl.load(blocks_ptr + blk * 3 + 2)
-            m_mask = offs_m < length
-            toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
             offs_n = n0 + tl.arange(0, BN)
             n_mask = offs_n < rank
             page_row = pages_ptr + slot * max_pages
@@ -199,13 +201,13 @@ def _expand_kernel(
     nblocks = tl.where(n0 < n_out, tl.load(nblocks_ptr), 0)
     for blk in range(tl.program_id(0), nblocks, tl.num_programs(0)):
         slot = tl.load(blocks_ptr + blk * 3)
+        start = tl.load(blocks_ptr + blk * 3 + 1)
+        length = tl.load(blocks_ptr + blk * 3 + 2)
         seg_off = tl.load(seg_ptr + slot * num_segs + seg0 + 2 * s)
+        rank = tl.load(rank_ptr + slot)
+        m_mask = offs_m < length
+        toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)  # beside seg_off
         if seg_off >= 0:
-            rank = tl.load(rank_ptr + slot)
-            start = tl.load(blocks_ptr + blk * 3 + 1)
-            length = tl.load(blocks_ptr + blk * 3 + 2)
-            m_mask = offs_m < length
-            toks = tl.load(tok_ptr + start + offs_m, mask=m_mask, other=0)
             h_rows = h_ptr + s * stride_hs + toks[:, None] * stride_ht
             out = y_ptr + toks[:, None] * stride_yt + col0 + offs_n[None, :]
             page_row = pages_ptr + slot * max_pages
@@ -521,7 +523,7 @@ class TritonBackend:
                      **({"maxnreg": t.max_regs} if t.max_regs and x.device.type == "cuda"
                         else {})))
         h.zero_()
-        launch(x, pool, h, batch.sorted_tokens, batch.blocks, slots.rank, slots.seg_offsets,
+        launch(x, pool, h, batch.sorted_tokens, slots.rank, slots.seg_offsets,
                slots.pages, batch.jobs, batch.num_jobs_dev,
                k, layout.page_size, layout.num_segments, slots.pages.shape[1], seg0,
                x.stride(0), h.stride(0), h.stride(1))
