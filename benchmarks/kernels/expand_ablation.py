@@ -234,7 +234,7 @@ def main() -> None:
         slots = batch.blocks[:batch.num_blocks, 0].cpu().unique()
         for module in a.modules.split(","):
             m = ModuleSlices.of(pool.layout, MODULES[module])
-            h = pool.h[:m.count, :t]
+            h = pool.h_view(0, m.count, t)
             y = torch.zeros(t, sum(m.out_features), device=dev, dtype=torch.bfloat16)
             rows_ = [(pool.layout.width(2 * (m.first + s) + 1), n, col)
                      for s, (n, col) in enumerate(zip(m.out_features, m.out_offsets,

@@ -56,7 +56,7 @@ def parts(pool, kind: str, tokens: int, dev: torch.device) -> dict:
     x = torch.randn(tokens, m.in_features, device=dev, dtype=torch.bfloat16,
                     generator=torch.Generator(device=dev).manual_seed(1))
     y = torch.zeros(tokens, sum(m.out_features), device=dev, dtype=torch.bfloat16)
-    h = pool.h[:m.count, :tokens]
+    h = pool.h_view(0, m.count, tokens)
     b = pool.backend
     batches = pool._batches_for(tokens)
 

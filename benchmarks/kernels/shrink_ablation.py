@@ -151,7 +151,7 @@ def main() -> None:
         m = ModuleSlices.of(pool.layout, MODULES[a.module])
         table = pool.table
         x = torch.randn(t, m.in_features, device=dev, dtype=torch.bfloat16)
-        h = pool.h[:m.count, :t]
+        h = pool.h_view(0, m.count, t)
         batch = pool._batches_for(t)[0]
         ranks = table.rank.cpu()
         slots = batch.blocks[:batch.num_blocks, 0].cpu().unique()

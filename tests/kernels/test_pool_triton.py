@@ -139,3 +139,47 @@ def test_unknown_large_rule_is_refused():
     with pytest.raises(ValueError, match="unknown large-batch rule"):
         DevicePool(model_layout(CFG, 1024).slices, LAYERS, 32, 64, 8, 3, "torch",
                    torch.device("cpu"), large_rule="all32")
+
+
+def test_a_forward_zeroes_h_once_and_trusts_nothing_from_another(monkeypatch):
+    """Each stream-K shrink zeroes the other h buffer for the next one, so
+    only a forward's first shrink zeroes its own h. Both buffers start as
+    NaN, and are set to NaN again between forwards (as a CUDA graph's
+    replay, which the host does not see, may leave them): a shrink trusting
+    a zeroing it should not, or a missed one, puts NaN into y. The second
+    forward has more tokens than the first, the third as many as the second."""
+    a = adapter(8, ("q_proj", "k_proj", "v_proj", "down_proj"), 0)
+    b = adapter(16, ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj"), 1)
+    b_first = 1 + a[0].num_pages
+    pools = []
+    for backend in ("torch", "triton"):
+        kv = [torch.randn(KV_SHAPE, generator=torch.Generator().manual_seed(9))
+              for _ in range(LAYERS)]
+        p = build(backend, kv)
+        p.load(3, 11, a[0], tuple(range(1, b_first)), a[1])
+        p.load(0, 12, b[0], tuple(range(b_first, b_first + b[0].num_pages)), b[1])
+        pools.append(p)
+    torch_pool, triton_pool = pools
+    modules = sorted({ModuleSlices.of(triton_pool.layout, names) for names in (
+        ("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
+        ("down_proj",))}, key=lambda m: m.first)
+    told = []
+    shrink = triton_pool.backend.shrink
+    monkeypatch.setattr(triton_pool.backend, "shrink",
+                        lambda *args, **kw: (told.append(kw["h_zeroed"]), shrink(*args, **kw)))
+    rng = np.random.default_rng(1)
+    for n in (9, 30, 30):
+        triton_pool._h.fill_(float("nan"))
+        tokens = rng.choice([0, 11, 12], size=n)
+        told.clear()
+        for p in pools:
+            p.set_tokens(tokens, ignored_ids=set())
+        for layer in range(LAYERS):
+            for m in modules:
+                x = torch.randn(n + 2, m.in_features)
+                y0 = torch.randn(n + 2, sum(m.out_features))
+                want, got = y0.clone(), y0.clone()
+                torch_pool.add_lora(layer, m, x, want)
+                triton_pool.add_lora(layer, m, x, got)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert told == [False] + [True] * (LAYERS * len(modules) - 1)

@@ -156,7 +156,8 @@ def test_warm_up_launches_every_variant_serving_launches(monkeypatch):
     launched: list[tuple] = []
 
     class Recording(TritonBackend):
-        def shrink(self, x, pool, h, batch, slots, module, layout):
+        def shrink(self, x, pool, h, batch, slots, module, layout, h_zeroed=False,
+                   zero_next=None):  # neither changes the variant (no specialising)
             t, split_k, _ = self._shrink_launch(batch, slots.max_rank, module.in_features,
                                                 module.count, x.device)
             launched.append(("shrink", module, batch.block_m, t, split_k))
@@ -216,7 +217,7 @@ def test_eager_steps_skip_empty_batchings_only():
     calls = []
 
     class Counting:
-        def shrink(self, *args):
+        def shrink(self, *args, **kwargs):
             calls.append("shrink")
 
         def expand(self, *args):

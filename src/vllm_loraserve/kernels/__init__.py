@@ -48,10 +48,16 @@ class KernelBackend(Protocol):
     name: str
 
     def shrink(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, batch: TokenBatch,
-               slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
+               slots: SlotTable, module: ModuleSlices, layout: LayerLayout,
+               h_zeroed: bool = False, zero_next: torch.Tensor | None = None) -> None:
         """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T for each slice s of `module`;
         other entries of h ([slices, tokens, max_rank], fp32) are undefined
-        after it (no backend may read them: zeroing h costs a launch)."""
+        after it (no backend may read them: zeroing h costs a launch).
+        `h_zeroed`: the caller guarantees h is all zero (a backend that needs
+        it zero may skip its own zeroing). `zero_next` (contiguous fp32, not
+        overlapping h): all zero after the call, so that the next shrink's h
+        can be it, `h_zeroed` (a backend zeroes it in the same launch where
+        it can: one memset launch less a module)."""
 
     def expand(self, h: torch.Tensor, pool: torch.Tensor, y: torch.Tensor, batch: TokenBatch,
                slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:

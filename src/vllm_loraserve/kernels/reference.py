@@ -42,10 +42,14 @@ class TorchBackend:
         return write
 
     def shrink(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, batch: TokenBatch,
-               slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
-        """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T; every other entry of h is 0."""
+               slots: SlotTable, module: ModuleSlices, layout: LayerLayout,
+               h_zeroed: bool = False, zero_next: torch.Tensor | None = None) -> None:
+        """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T; every other entry of h is 0
+        (zeroed here whatever `h_zeroed` says), and so is `zero_next`."""
         pages2d = pool.view(-1, layout.page_size)
         h.zero_()
+        if zero_next is not None:
+            zero_next.zero_()
         for slot, rank, offsets, toks in _slot_groups(batch, slots):
             for s in range(module.count):
                 seg = 2 * (module.first + s)

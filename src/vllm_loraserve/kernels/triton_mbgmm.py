@@ -120,13 +120,17 @@ def _shrink_kernel(
                 tl.atomic_add(out, acc, mask=mask)
 
 
-@triton.jit
+ZERO_BLOCK = 256  # fp32 elements a stream-K program zeroes per store of the next h
+
+
+@triton.jit(do_not_specialize=["next_numel"])
 def _shrink_stream_kernel(
     x_ptr, pool_ptr, h_ptr, tok_ptr, rank_ptr, seg_ptr, pages_ptr, jobs_ptr, njobs_ptr,
+    next_ptr, next_numel,
     K, page_size, num_segs, max_pages, seg0,
     stride_xt, stride_hs, stride_ht,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, COUNT: tl.constexpr,
-    EVEN_K: tl.constexpr, PANEL: tl.constexpr,
+    EVEN_K: tl.constexpr, PANEL: tl.constexpr, ZB: tl.constexpr,
 ):
     """The shrink as stream-K over the step's work: a unit is BK input
     columns of one (job, slice) piece, units run piece by piece, and each
@@ -134,7 +138,17 @@ def _shrink_stream_kernel(
     added into the zeroed h where the run starts or ends inside it). So every
     program of a fixed grid (a CUDA graph's) gets the same work, within one
     unit, whatever the step's jobs; the grid-stride shrink leaves programs
-    idle or doubles some up."""
+    idle or doubles some up.
+
+    The programs also zero next_ptr[:next_numel], the next shrink's h (not
+    this one's), in equal shares: that shrink then needs no memset launch.
+    next_numel varies with the step's tokens: not specialised on, so one
+    variant serves every step."""
+    zper = tl.cdiv(tl.cdiv(next_numel, tl.num_programs(0)), ZB) * ZB
+    z0 = tl.program_id(0) * zper
+    for z in range(z0, tl.minimum(z0 + zper, next_numel), ZB):
+        offs_z = z + tl.arange(0, ZB)
+        tl.store(next_ptr + offs_z, tl.zeros((ZB,), tl.float32), mask=offs_z < next_numel)
     chunks = tl.cdiv(K, BK)
     units = tl.load(njobs_ptr) * COUNT * chunks
     per = tl.cdiv(units, tl.num_programs(0))
@@ -480,13 +494,17 @@ class TritonBackend:
             launch = self._launches[key] = (t, split_k, grid)
         return launch
 
-    def _shrink(self, x, pool, h, batch, slots, layout, k, seg0, count) -> None:
+    def _shrink(self, x, pool, h, batch, slots, layout, k, seg0, count,
+                h_zeroed: bool = False, zero_next: torch.Tensor | None = None) -> None:
         """h[s, t, :rank] = x[t] @ (rows of segment seg0 + 2s).T for s < count;
-        x has k columns."""
-        if batch.max_blocks == 0:
+        x has k columns. See `shrink` for `h_zeroed` and `zero_next`."""
+        if batch.jobs is not None and batch.max_blocks:
+            self._shrink_stream(x, pool, h, batch, slots, layout, k, seg0, count, h_zeroed,
+                                zero_next)
             return
-        if batch.jobs is not None:
-            self._shrink_stream(x, pool, h, batch, slots, layout, k, seg0, count)
+        if zero_next is not None:
+            zero_next.zero_()
+        if batch.max_blocks == 0:
             return
         t, split_k, grid = self._shrink_launch(batch, slots.max_rank, k, count, x.device)
         _check_panel(layout, t.block_k)
@@ -503,9 +521,11 @@ class TritonBackend:
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
-    def _shrink_stream(self, x, pool, h, batch, slots, layout, k, seg0, count) -> None:
+    def _shrink_stream(self, x, pool, h, batch, slots, layout, k, seg0, count, h_zeroed,
+                       zero_next) -> None:
         """As `_shrink`, over the batch's jobs (stream-K): all of h zeroed
-        first, each piece added into it. The grid is fixed by the device."""
+        first (unless it is already), each piece added into it; zero_next
+        zeroed by the same launch. The grid is fixed by the device."""
         key = ("stream", batch.block_m, batch.max_blocks, k, count, layout.panel, x.device)
         launch = self._plans.get(key)
         if launch is None:
@@ -518,13 +538,20 @@ class TritonBackend:
             launch = self._plans[key] = Launcher(
                 _shrink_stream_kernel, (STREAM_PROGRAMS_PER_SM * sms,),
                 dict(BM=batch.block_m, BN=t.block_n, BK=t.block_k, COUNT=count,
-                     EVEN_K=k % t.block_k == 0, PANEL=layout.panel, num_warps=t.num_warps,
+                     EVEN_K=k % t.block_k == 0, PANEL=layout.panel, ZB=ZERO_BLOCK,
+                     num_warps=t.num_warps,
                      num_stages=t.num_stages,
                      **({"maxnreg": t.max_regs} if t.max_regs and x.device.type == "cuda"
                         else {})))
-        h.zero_()
+        if not h_zeroed:
+            h.zero_()
+        if zero_next is not None and (zero_next.dtype != torch.float32
+                                      or not zero_next.is_contiguous()):
+            raise ValueError("zero_next must be a contiguous fp32 tensor")
         launch(x, pool, h, batch.sorted_tokens, slots.rank, slots.seg_offsets,
                slots.pages, batch.jobs, batch.num_jobs_dev,
+               h if zero_next is None else zero_next,
+               0 if zero_next is None else zero_next.numel(),
                k, layout.page_size, layout.num_segments, slots.pages.shape[1], seg0,
                x.stride(0), h.stride(0), h.stride(1))
 
@@ -582,12 +609,14 @@ class TritonBackend:
         return len(seen)
 
     def shrink(self, x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, batch: TokenBatch,
-               slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:
+               slots: SlotTable, module: ModuleSlices, layout: LayerLayout,
+               h_zeroed: bool = False, zero_next: torch.Tensor | None = None) -> None:
         """h[s, t, :rank] = x[t] @ A_{slot(t), s}.T. Where it splits K or runs
-        on the batch's jobs (stream-K), all of h is zeroed first; otherwise
-        no other entry of h is written."""
+        on the batch's jobs (stream-K), all of h is zeroed first (stream-K:
+        unless `h_zeroed`); otherwise no other entry of h is written.
+        `zero_next`, on the stream-K path, is zeroed by the same launch."""
         self._shrink(x, pool, h, batch, slots, layout, module.in_features,
-                     2 * module.first, module.count)
+                     2 * module.first, module.count, h_zeroed, zero_next)
 
     def expand(self, h: torch.Tensor, pool: torch.Tensor, y: torch.Tensor, batch: TokenBatch,
                slots: SlotTable, module: ModuleSlices, layout: LayerLayout) -> None:

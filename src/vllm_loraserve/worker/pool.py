@@ -124,8 +124,16 @@ class DevicePool:
         self.backend = get_backend(backend)
         self.layout: LayerLayout | None = None
         self.table: SlotTable | None = None
-        self.h = torch.zeros(max_slices, max_tokens, max_rank, dtype=torch.float32,
-                             device=device)
+        # The shrinks' output h: two buffers in turn, each token-major ([tokens,
+        # slices, rank]) so that a step's rows are one range. Each shrink
+        # zeroes the other buffer's for the next one, which then needs no
+        # memset launch; only a forward's first shrink zeroes its own h.
+        self._h_dims = (max_tokens, max_slices, max_rank)
+        size = -(-max_tokens * max_slices * max_rank // 16) * 16  # buffers 64-byte aligned
+        self._h = torch.zeros(2, size, dtype=torch.float32, device=device)
+        self._h_turn = 0  # the buffer the next shrink writes
+        self._h_zeroed: tuple[int, int] | None = None  # (buffer, tokens) zeroed for it
+        self._last_call = (-1, -1)  # (layer, first slice) of the last add_lora
         if large_rule not in LARGE_RULES:
             raise ValueError(f"unknown large-batch rule {large_rule!r}: {sorted(LARGE_RULES)}")
         self.large_rule = large_rule
@@ -162,7 +170,7 @@ class DevicePool:
         for buffers in self._buffers.values():
             buffers.num_blocks.zero_()
             buffers.num_jobs.zero_()
-        shapes = sorted({shape for t in range(1, self.h.shape[1] + 1)
+        shapes = sorted({shape for t in range(1, self._h_dims[0] + 1)
                          for shape in self._plan(t)})
         batches = []
         for key, bound in shapes:
@@ -174,8 +182,8 @@ class DevicePool:
         for module in sorted(modules, key=lambda m: m.first):
             x = torch.zeros(1, module.in_features, dtype=dtype, device=self.device)
             y = torch.zeros(1, sum(module.out_features), dtype=dtype, device=self.device)
-            variants += self.backend.warm_up(x, self.pages[0], self.h[:module.count, :1], y,
-                                             batches, self.table, module, self.layout)
+            variants += self.backend.warm_up(x, self.pages[0], self.h_view(0, module.count, 1),
+                                             y, batches, self.table, module, self.layout)
         return variants
 
     # -- residency (from PoolSteps) ---------------------------------------
@@ -339,14 +347,31 @@ class DevicePool:
             out.append(batch)
         return out
 
+    def h_view(self, turn: int, count: int, tokens: int) -> torch.Tensor:
+        """h buffer `turn`'s first `count` slices for `tokens` tokens, as the
+        kernels take it: [count, tokens, max_rank]."""
+        _, slices, rank = self._h_dims
+        rows = self._h[turn, :tokens * slices * rank].view(tokens, slices, rank)
+        return rows[:, :count].permute(1, 0, 2)
+
     def add_lora(self, layer: int, module: ModuleSlices, x: torch.Tensor,
                  y: torch.Tensor) -> None:
         """y += x @ A.T @ Bt for every token of the step with an adapter.
         Launches the kernels whenever the step has LoRA requests, whatever
-        its contents, so a graph captured with warm-up adapters replays them."""
+        its contents, so a graph captured with warm-up adapters replays them.
+
+        Invariant: a shrink is told its h is zero only when the shrink before
+        it, in this forward, zeroed that buffer's rows for as many tokens. A
+        forward is known to start where (layer, first slice) does not grow:
+        the host does not see a graph's replays, so nothing zeroed in another
+        forward is trusted."""
         if not self.active or self.pages is None:
             return
-        h = self.h[:module.count, :x.shape[0]]
+        call = (layer, module.first)
+        if call <= self._last_call:  # a new forward
+            self._h_turn, self._h_zeroed = 0, None
+        self._last_call = call
+        tokens = x.shape[0]
         pool = self.pages[layer]
         graph = capturing(x)
         if graph:
@@ -354,11 +379,16 @@ class DevicePool:
         if self.gate is not None:
             self.gate.before_layer(layer, x)
         # The batchings hold disjoint tokens. Each expand runs before the next
-        # shrink: a split-K shrink zeroes all of h first.
-        for batch in self._batches_for(x.shape[0], graph):
+        # shrink (on the same stream), which zeroes the buffer that expand read.
+        for batch in self._batches_for(tokens, graph):
             if batch.num_blocks == 0 and not graph:
                 continue  # eager: nothing to do (a graph keeps every launch)
-            self.backend.shrink(x, pool, h, batch, self.table, module, self.layout)
+            turn, (_, slices, rank) = self._h_turn, self._h_dims
+            h = self.h_view(turn, module.count, tokens)
+            self.backend.shrink(x, pool, h, batch, self.table, module, self.layout,
+                                h_zeroed=self._h_zeroed == (turn, tokens),
+                                zero_next=self._h[1 - turn, :tokens * slices * rank])
+            self._h_turn, self._h_zeroed = 1 - turn, (1 - turn, tokens)
             self.backend.expand(h, pool, y, batch, self.table, module, self.layout)
         if self.gate is not None:
             self.gate.after_layer(layer, module, x, y)
