@@ -595,6 +595,8 @@ class TritonBackend:
         on (dtypes, strides, the layout's sizes) is fixed by the model.
         Returns the number of distinct variants launched."""
         seen = set()
+        # As the pool's shrinks are launched: each zeroes the next one's h.
+        zero_next = torch.zeros(16, dtype=torch.float32, device=h.device)
         for batch in batches:
             if batch.jobs is not None:  # the stream shrink; the expand reads a zeroed h
                 shrink = ("stream", self._stream_tiles(batch, module.in_features))
@@ -604,7 +606,7 @@ class TritonBackend:
             key = (batch.block_m, shrink, self._expand_tiles(batch, max(module.out_features)))
             if key not in seen:
                 seen.add(key)
-                self.shrink(x, pool, h, batch, slots, module, layout)
+                self.shrink(x, pool, h, batch, slots, module, layout, zero_next=zero_next)
                 self.expand(h, pool, y, batch, slots, module, layout)
         return len(seen)
 

@@ -88,6 +88,11 @@ def pool_layout(vllm_config: Any, page_size: int) -> LayerLayout:
         # report reaches the scheduler.
         raise ValueError("the loraserve pool supports tensor_parallel_size and "
                          "pipeline_parallel_size 1 for now (use --loraserve-pool vllm)")
+    if getattr(parallel, "use_ubatching", False):
+        # Micro-batches run on two streams, interleaved; the pool's layers
+        # share one step's token batches and h buffers.
+        raise ValueError("the loraserve pool does not support micro-batching (--enable-dbo, "
+                         "ubatch_size > 1) (use --loraserve-pool vllm)")
     return model_layout(vllm_config.model_config.hf_text_config, page_size)
 
 

@@ -283,6 +283,9 @@ class DevicePool:
             self.adapter_step_adapters += len(used)
         token_slots = np.where(ids > 0, lut[np.maximum(ids, 0)], -1)
         self._step, self._sets = (token_slots, ranks), None
+        # A step's forward starts here, whether the host runs it or replays a
+        # graph: nothing zeroed in an earlier forward is trusted (add_lora).
+        self._h_turn, self._h_zeroed, self._last_call = 0, None, (-1, -1)
         self._batches = {}
         for key in self._keys_for(len(ids)):
             self._fill(key)
@@ -362,9 +365,9 @@ class DevicePool:
 
         Invariant: a shrink is told its h is zero only when the shrink before
         it, in this forward, zeroed that buffer's rows for as many tokens. A
-        forward is known to start where (layer, first slice) does not grow:
-        the host does not see a graph's replays, so nothing zeroed in another
-        forward is trusted."""
+        forward starts at `set_tokens`, or where (layer, first slice) does
+        not grow: the host does not see a graph's replays, so nothing zeroed
+        in another forward is trusted."""
         if not self.active or self.pages is None:
             return
         call = (layer, module.first)
