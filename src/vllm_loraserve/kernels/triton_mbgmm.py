@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_loraserve.kernels.batch import JOB_ROWS, ModuleSlices, SlotTable, TokenBatch
+from vllm_loraserve.kernels.batch import JOB_COLS, JOB_ROWS, ModuleSlices, SlotTable, TokenBatch
 from vllm_loraserve.kernels.launch import Launcher
 from vllm_loraserve.paging.layout import LayerLayout
 
@@ -130,7 +130,7 @@ def _shrink_stream_kernel(
     K, page_size, num_segs, max_pages, seg0,
     stride_xt, stride_hs, stride_ht,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, COUNT: tl.constexpr,
-    EVEN_K: tl.constexpr, PANEL: tl.constexpr, ZB: tl.constexpr,
+    EVEN_K: tl.constexpr, PANEL: tl.constexpr, ZB: tl.constexpr, JC: tl.constexpr,
 ):
     """The shrink as stream-K over the step's work: a unit is BK input
     columns of one (job, slice) piece, units run piece by piece, and each
@@ -138,7 +138,7 @@ def _shrink_stream_kernel(
     added into the zeroed h where the run starts or ends inside it). So every
     program of a fixed grid (a CUDA graph's) gets the same work, within one
     unit, whatever the step's jobs; the grid-stride shrink leaves programs
-    idle or doubles some up.
+    idle or doubles some up. A job's row has JC (batch.JOB_COLS) entries.
 
     The programs also zero next_ptr[:next_numel], the next shrink's h (not
     this one's), in equal shares: that shrink then needs no memset launch.
@@ -163,10 +163,10 @@ def _shrink_stream_kernel(
         s = piece % COUNT
         # A job's row holds its block's (slot, start, length) and first rank
         # row: the slot's entries and the tokens are one round trip after it.
-        slot = tl.load(jobs_ptr + job * 4)
-        start = tl.load(jobs_ptr + job * 4 + 1)
-        length = tl.load(jobs_ptr + job * 4 + 2)
-        n0 = tl.load(jobs_ptr + job * 4 + 3)
+        slot = tl.load(jobs_ptr + job * JC)
+        start = tl.load(jobs_ptr + job * JC + 1)
+        length = tl.load(jobs_ptr + job * JC + 2)
+        n0 = tl.load(jobs_ptr + job * JC + 3)
         rank = tl.load(rank_ptr + slot)
         seg_off = tl.load(seg_ptr + slot * num_segs + seg0 + 2 * s)
         m_mask = offs_m < length
@@ -539,7 +539,7 @@ class TritonBackend:
                 _shrink_stream_kernel, (STREAM_PROGRAMS_PER_SM * sms,),
                 dict(BM=batch.block_m, BN=t.block_n, BK=t.block_k, COUNT=count,
                      EVEN_K=k % t.block_k == 0, PANEL=layout.panel, ZB=ZERO_BLOCK,
-                     num_warps=t.num_warps,
+                     JC=JOB_COLS, num_warps=t.num_warps,
                      num_stages=t.num_stages,
                      **({"maxnreg": t.max_regs} if t.max_regs and x.device.type == "cuda"
                         else {})))

@@ -132,7 +132,7 @@ class DevicePool:
         size = -(-max_tokens * max_slices * max_rank // 16) * 16  # buffers 64-byte aligned
         self._h = torch.zeros(2, size, dtype=torch.float32, device=device)
         self._h_turn = 0  # the buffer the next shrink writes
-        self._h_zeroed: tuple[int, int] | None = None  # (buffer, tokens) zeroed for it
+        self._h_zeroed: int | None = None  # tokens whose rows of that buffer are zero
         self._last_call = (-1, -1)  # (layer, first slice) of the last add_lora
         if large_rule not in LARGE_RULES:
             raise ValueError(f"unknown large-batch rule {large_rule!r}: {sorted(LARGE_RULES)}")
@@ -350,11 +350,15 @@ class DevicePool:
             out.append(batch)
         return out
 
+    def _h_rows(self, turn: int, tokens: int) -> torch.Tensor:
+        """h buffer `turn`'s rows of the first `tokens` tokens, one flat range."""
+        _, slices, rank = self._h_dims
+        return self._h[turn, :tokens * slices * rank]
+
     def h_view(self, turn: int, count: int, tokens: int) -> torch.Tensor:
         """h buffer `turn`'s first `count` slices for `tokens` tokens, as the
         kernels take it: [count, tokens, max_rank]."""
-        _, slices, rank = self._h_dims
-        rows = self._h[turn, :tokens * slices * rank].view(tokens, slices, rank)
+        rows = self._h_rows(turn, tokens).view(tokens, *self._h_dims[1:])
         return rows[:, :count].permute(1, 0, 2)
 
     def add_lora(self, layer: int, module: ModuleSlices, x: torch.Tensor,
@@ -386,12 +390,12 @@ class DevicePool:
         for batch in self._batches_for(tokens, graph):
             if batch.num_blocks == 0 and not graph:
                 continue  # eager: nothing to do (a graph keeps every launch)
-            turn, (_, slices, rank) = self._h_turn, self._h_dims
+            turn = self._h_turn
             h = self.h_view(turn, module.count, tokens)
             self.backend.shrink(x, pool, h, batch, self.table, module, self.layout,
-                                h_zeroed=self._h_zeroed == (turn, tokens),
-                                zero_next=self._h[1 - turn, :tokens * slices * rank])
-            self._h_turn, self._h_zeroed = 1 - turn, (1 - turn, tokens)
+                                h_zeroed=self._h_zeroed == tokens,
+                                zero_next=self._h_rows(1 - turn, tokens))
+            self._h_turn, self._h_zeroed = 1 - turn, tokens
             self.backend.expand(h, pool, y, batch, self.table, module, self.layout)
         if self.gate is not None:
             self.gate.after_layer(layer, module, x, y)
