@@ -110,7 +110,7 @@ class LoraServeConfig:
         choices=("auto", "triton", "torch"),
     )
     cold_start: str = _opt(
-        "block",
+        "auto",
         "How a request starts whose adapter is not in the paged pool yet (its "
         "adapter's pages are written in the step that first runs it). 'block': "
         "every layer's pages are written before that step's forward pass starts. "
@@ -119,12 +119,13 @@ class LoraServeConfig:
         "device, for its own group only. 'cpu-assist' (Toppings): as "
         "'pipelined', and until a group's pages have landed the cold adapter's "
         "LoRA delta for that group's layers is computed on the CPU from the host "
-        "tier's copy and added on the device; that step runs without CUDA graphs, "
-        "and copying each assisted layer's input to the host waits for the device "
-        "(issue 24 item 3 removes that wait). 'block' is the default until the GPU "
-        "benchmark (docs/benchmarks/cold-start.md) shows that another mode wins.",
+        "tier's copy and added on the device; that step runs without CUDA graphs. "
+        "'auto': pipelined on CUDA (the H200 benchmark's winner: "
+        "docs/benchmarks/cold-start.md), block on the CPU (no side stream) and "
+        "where CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream in one hardware "
+        "queue (logged at start-up).",
         flag="--loraserve-cold-start",
-        choices=("block", "pipelined", "cpu-assist"),
+        choices=("auto", "block", "pipelined", "cpu-assist"),
     )
     cold_start_group_layers: int = _opt(
         4,

@@ -43,7 +43,7 @@ def test_cold_start_flags(serve_parser):
                                      "--loraserve-cold-start-group-layers", "2"])
     assert ea.additional_config["loraserve"] == {"cold_start": "cpu-assist",
                                                  "cold_start_group_layers": 2}
-    assert LoraServeConfig().cold_start == "block"  # until the GPU benchmark says otherwise
+    assert LoraServeConfig().cold_start == "auto"  # resolved per device: worker/cold_start.py
     with pytest.raises(SystemExit):
         serve_parser.parse_args(["m", "--plugin", "loraserve", "--loraserve-cold-start", "eager"])
     with pytest.raises(ValueError, match="cold_start_group_layers must be an integer >= 1"):

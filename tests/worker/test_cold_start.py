@@ -540,3 +540,17 @@ def test_layer_groups_and_the_one_queue_refusal(monkeypatch):
     with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
         cold_mod.refuse_one_hardware_queue("pipelined")
     cold_mod.refuse_one_hardware_queue("block")
+
+
+def test_auto_is_pipelined_on_cuda_and_block_elsewhere(monkeypatch, caplog):
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert cold_mod.resolve_mode("auto", cuda) == "pipelined"
+    assert cold_mod.resolve_mode("auto", cpu) == "block"
+    for mode in ("block", "pipelined", "cpu-assist"):  # a mode asked for is kept
+        assert cold_mod.resolve_mode(mode, cpu) == mode
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with caplog.at_level("WARNING", logger=cold_mod.logger.name):
+        assert cold_mod.resolve_mode("auto", cuda) == "block"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in caplog.text
+    assert cold_mod.resolve_mode("pipelined", cuda) == "pipelined"  # refused at ColdStart

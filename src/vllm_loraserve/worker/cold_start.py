@@ -141,10 +141,34 @@ def enqueues(assist: Delta | None, device: torch.device) -> bool:
     return ok and assist.pinned
 
 
+def _one_hardware_queue() -> bool:
+    return os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+
+
 def refuse_one_hardware_queue(mode: str) -> None:
-    if mode != "block" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+    if mode != "block" and _one_hardware_queue():
         raise ValueError(f"--loraserve-cold-start {mode} needs the side stream in its own "
                          "hardware queue: unset CUDA_DEVICE_MAX_CONNECTIONS=1 (or use block)")
+
+
+def resolve_mode(choice: str, device: torch.device) -> str:
+    """--loraserve-cold-start with 'auto' resolved: `pipelined` on CUDA,
+    which won online at 2000 adapters and cost nothing offline on an H200
+    (docs/benchmarks/cold-start.md, sessions 18 and 26); `block` on the CPU,
+    where a pipelined load's groups run on the host in the same order
+    (HostLane) and gain nothing, and where one hardware queue would let a
+    layer's wait block the writes it waits for (logged: the user asked for
+    no mode)."""
+    if choice != "auto":
+        return choice
+    if device.type != "cuda":
+        return "block"
+    if _one_hardware_queue():
+        logger.warning("vllm-loraserve cold start: auto is block here, not pipelined: "
+                       "CUDA_DEVICE_MAX_CONNECTIONS=1 puts the side stream in the main "
+                       "stream's hardware queue")
+        return "block"
+    return "pipelined"
 
 
 @dataclass

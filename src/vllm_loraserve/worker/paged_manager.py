@@ -33,7 +33,8 @@ warm-up calls). Differences from vLLM:
 - `--loraserve-cold-start` (worker/cold_start.py): `block` loads a step's
   adapters whole before its forward pass; `pipelined` and `cpu-assist` hand
   the loads that are not ahead to a `ColdStart`, which writes them layer
-  group by layer group beside the forward pass.
+  group by layer group beside the forward pass; `auto` (the default) is
+  pipelined on CUDA and block on the CPU (`resolve_mode`).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from vllm_loraserve.paging.model import max_file_bytes, model_layout, module_sli
 from vllm_loraserve.paging.step import PageLoad, PoolReport, PoolStep, Prefetch
 from vllm_loraserve.worker.arena import PinnedArena
 from vllm_loraserve.worker.assist import CpuAssist
-from vllm_loraserve.worker.cold_start import ColdStart, layer_groups
+from vllm_loraserve.worker.cold_start import ColdStart, layer_groups, resolve_mode
 from vllm_loraserve.worker.cpu_lora.pool import CpuPoolConfig, CpuWorkerPool
 from vllm_loraserve.worker.cpu_lora.shm import SharedChunks
 from vllm_loraserve.worker.host_tier import Alloc, HostAdapter, HostTier, StepOverflow
@@ -139,6 +140,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         super().__init__(vllm_config, device, embedding_modules)
         self.cfg = cfg
         cuda = torch.device(self.device).type == "cuda"
+        self.cold_start = resolve_mode(cfg.cold_start, torch.device(self.device))
         # Loads for waiting requests (PageLoad.ahead) run on this stream on a GPU.
         self._side = torch.cuda.Stream(self.device) if cuda else None
         self._tables: TablePacker | None = None  # --loraserve-pack triton, made at bind
@@ -149,7 +151,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                                  self.lora_config.max_lora_rank)
         # cpu-assist's workers read the weights where the tier keeps them:
         # its chunks are then shared-memory segments they map.
-        self._shared = (SharedChunks(pinned=cuda) if cfg.cold_start == "cpu-assist"
+        self._shared = (SharedChunks(pinned=cuda) if self.cold_start == "cpu-assist"
                         and cfg.cpu_assist_workers >= 0 else None)
         arena = PinnedArena.for_budget(cfg.host_budget(), largest, pinned=cuda,
                                        make_chunk=self._shared)
@@ -209,7 +211,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                     f"-> {ms.out_features} (use --loraserve-pool vllm)")
             layers.append((module, extract_layer_index(name), ms))
         self._module_kinds = {ms for _, _, ms in layers}
-        mode = self.cfg.cold_start
+        mode = self.cold_start
         groups = () if mode == "block" else layer_groups(self.num_layers,
                                                          self.cfg.cold_start_group_layers)
         self.pool = DevicePool(layout.slices, self.num_layers, self.lora_config.max_lora_rank,
@@ -558,7 +560,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             adapter_step_bytes=pool.adapter_step_bytes, host_bytes=host_bytes,
             host_adapters=len(host_ids), host_budget=self.host.budget,
             prefetch_hits=self.prefetch_hits, prefetch_misses=self.prefetch_misses,
-            host_overflow_loads=self.host_overflow_loads, cold_start=self.cfg.cold_start,
+            host_overflow_loads=self.host_overflow_loads, cold_start=self.cold_start,
             pipelined_groups=cold.pipelined_groups if cold else 0,
             assisted_groups=cold.assisted_groups if cold else 0,
             cpu_assist_workers=cold.assist_workers if cold else 0,
