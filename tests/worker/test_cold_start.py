@@ -520,15 +520,28 @@ def test_a_group_write_that_fails_fails_its_adapter_alone(adapters, monkeypatch)
 def test_group_spans_cover_exactly_the_groups_tensors(adapters):
     entry = adapters["cold"]
     size = entry.weights.data.numel()
-    covered = np.zeros(size, dtype=int)
-    for layers in layer_groups(LAYERS, GROUP):
-        for start, end in group_spans(entry, layers):
-            covered[start:end] += 1
-    tensors = np.zeros(size, dtype=int)
+    groups = layer_groups(LAYERS, GROUP)
+    spans = group_spans(entry, groups)
+    assert len(spans) == len(groups)
+    union = np.zeros(size, dtype=int)
+    for start, end in (span for group in spans for span in group):
+        union[start:end] += 1
+    every = np.zeros(size, dtype=int)
     for a, b in entry.weights.modules.values():
         for t in (a, b):
-            tensors[t.offset:t.offset + math.prod(t.shape) * t.dtype.itemsize] = 1
-    assert np.array_equal(covered, tensors)  # each tensor byte once, nothing else
+            every[t.offset:t.offset + math.prod(t.shape) * t.dtype.itemsize] = 1
+    assert np.array_equal(union, every)  # every tensor byte in one group's spans, once
+    for layers, group in zip(groups, spans, strict=True):
+        covered = np.zeros(size, dtype=int)
+        for start, end in group:
+            covered[start:end] += 1
+        tensors = np.zeros(size, dtype=int)
+        for name, (a, b) in entry.weights.modules.items():
+            if entry.where[name][0] in layers:
+                for t in (a, b):
+                    tensors[t.offset:t.offset + math.prod(t.shape) * t.dtype.itemsize] = 1
+        assert tensors.any()
+        assert np.array_equal(covered, tensors)  # each of its tensors' bytes once, nothing else
 
 
 def test_layer_groups_and_the_one_queue_refusal(monkeypatch):
