@@ -50,8 +50,10 @@ COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "2
           "--max-num-batched-tokens", "16384", "--max-num-seqs", "1024"]
 LORA = ["--enable-lora", "--max-lora-rank", "128", "--lora-target-modules",
         *bench_e2e.TARGETS["qkvo"][1]]
-COLD_STARTS = next(f.metadata["choices"] for f in dataclasses.fields(LoraServeConfig)
-                   if f.name == "cold_start")
+# The modes a run compares; 'auto' only picks one of them per device (the
+# server's default, run by passing no --cold-start).
+COLD_STARTS = tuple(c for c in next(f.metadata["choices"] for f in dataclasses.fields(
+    LoraServeConfig) if f.name == "cold_start") if c != "auto")
 # name -> (adapters in the trace, plugin on, requests sent to adapters);
 # pool-base-only serves 100 adapters and sends every request to the base model
 CONFIGS = {"none": (100, False, False), "stock-100": (100, False, True),
