@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernels.test_pool_triton import build
-from tests.worker.test_pool import KV_SHAPE, LAYERS, adapter
+from tests.kernels.test_pool_triton import build, torch_and_triton_pools
+from tests.worker.test_pool import KV_SHAPE, LAYERS
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.worker import pool as pool_mod
 
@@ -39,28 +39,14 @@ _spec.loader.exec_module(fused)
 def test_one_launch_equals_the_pools_two(monkeypatch, small_batch):
     monkeypatch.setattr(pool_mod, "SMALL_BATCH", small_batch)
     monkeypatch.setattr(pool_mod, "TALL", 8)
-    a = adapter(8, ("q_proj", "k_proj", "v_proj", "down_proj"), 0)
-    b = adapter(16, ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj"), 1)
-    b_first = 1 + a[0].num_pages
-    pools = []
-    for backend in ("torch", "triton"):
-        kv = [torch.randn(KV_SHAPE, generator=torch.Generator().manual_seed(9))
-              for _ in range(LAYERS)]
-        p = build(backend, kv)
-        p.load(3, 11, a[0], tuple(range(1, b_first)), a[1])
-        p.load(0, 12, b[0], tuple(range(b_first, b_first + b[0].num_pages)), b[1])
-        pools.append(p)
-    torch_pool, triton_pool = pools
-    modules = sorted({ModuleSlices.of(triton_pool.layout, names) for names in (
-        ("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
-        ("down_proj",))}, key=lambda m: m.first)
+    torch_pool, triton_pool, modules = torch_and_triton_pools()
     launcher = fused.FusedLauncher(per_sm=1)
     rng = np.random.default_rng(1)
     launches = 0
     for n in (9, 30):
         tokens = rng.choice([0, 11, 12], size=n, p=(0.2, 0.1, 0.7))
         triton_pool._h.fill_(float("nan"))
-        for p in pools:
+        for p in (torch_pool, triton_pool):
             p.set_tokens(tokens, ignored_ids=set())
         for layer in range(LAYERS):
             for m in modules:

@@ -24,6 +24,26 @@ def build(backend, kv):
     return p
 
 
+def torch_and_triton_pools():
+    """A torch and a Triton pool holding the same two adapters (ids 11 and
+    12, every module kind between them), and the module kinds in layer order."""
+    a = adapter(8, ("q_proj", "k_proj", "v_proj", "down_proj"), 0)
+    b = adapter(16, ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj"), 1)
+    b_first = 1 + a[0].num_pages
+    pools = []
+    for backend in ("torch", "triton"):
+        kv = [torch.randn(KV_SHAPE, generator=torch.Generator().manual_seed(9))
+              for _ in range(LAYERS)]
+        p = build(backend, kv)
+        p.load(3, 11, a[0], tuple(range(1, b_first)), a[1])
+        p.load(0, 12, b[0], tuple(range(b_first, b_first + b[0].num_pages)), b[1])
+        pools.append(p)
+    modules = sorted({ModuleSlices.of(pools[1].layout, names) for names in (
+        ("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
+        ("down_proj",))}, key=lambda m: m.first)
+    return pools[0], pools[1], modules
+
+
 @pytest.mark.parametrize("small_batch", [64, 4])  # 16- and 64-token work blocks
 def test_triton_pool_matches_torch_pool(monkeypatch, small_batch):
     monkeypatch.setattr(pool_mod, "SMALL_BATCH", small_batch)
@@ -153,21 +173,7 @@ def test_a_forward_zeroes_h_once_and_trusts_nothing_from_another(monkeypatch, sm
     start is found from the layer order alone."""
     monkeypatch.setattr(pool_mod, "SMALL_BATCH", small_batch)
     monkeypatch.setattr(pool_mod, "TALL", 8)
-    a = adapter(8, ("q_proj", "k_proj", "v_proj", "down_proj"), 0)
-    b = adapter(16, ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj"), 1)
-    b_first = 1 + a[0].num_pages
-    pools = []
-    for backend in ("torch", "triton"):
-        kv = [torch.randn(KV_SHAPE, generator=torch.Generator().manual_seed(9))
-              for _ in range(LAYERS)]
-        p = build(backend, kv)
-        p.load(3, 11, a[0], tuple(range(1, b_first)), a[1])
-        p.load(0, 12, b[0], tuple(range(b_first, b_first + b[0].num_pages)), b[1])
-        pools.append(p)
-    torch_pool, triton_pool = pools
-    modules = sorted({ModuleSlices.of(triton_pool.layout, names) for names in (
-        ("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
-        ("down_proj",))}, key=lambda m: m.first)
+    torch_pool, triton_pool, modules = torch_and_triton_pools()
     told = []
     shrink = triton_pool.backend.shrink
     monkeypatch.setattr(triton_pool.backend, "shrink",
@@ -179,7 +185,7 @@ def test_a_forward_zeroes_h_once_and_trusts_nothing_from_another(monkeypatch, sm
         triton_pool._h.fill_(float("nan"))
         told.clear()
         if new_step:
-            for p in pools:
+            for p in (torch_pool, triton_pool):
                 p.set_tokens(tokens, ignored_ids=set())
         for layer in range(LAYERS):
             for m in modules:
