@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
 from vllm_loraserve.bench import replay
 
@@ -45,3 +46,40 @@ def test_first_and_later_by_send_time_per_served_name():
 def test_first_and_later_one_request_per_adapter_has_no_later():
     split = replay.first_and_later([_outcome(0, "a", 0.0, 0.4), _outcome(1, "b", 0.1, 0.6)])
     assert split["first"]["n"] == 2 and split["later"] == {"n": 0, "errors": 0, "ttft_s": {}}
+
+
+def test_stream_timings_against_a_stream_of_known_pace():
+    """A fake server sends the first token after FIRST_S, then one token every
+    GAP_S, then a usage chunk with no choices. TTFT must be at least FIRST_S
+    and TPOT (last - first) / (tokens - 1): a client that divided by `tokens`
+    would read 0.8 * GAP_S, one that counted the TTFT in would read 1.75 * GAP_S."""
+    import asyncio
+    import json
+
+    import httpx
+
+    first_s, gap_s, tokens = 0.6, 0.2, 5
+
+    async def body():
+        await asyncio.sleep(first_s)
+        for k in range(tokens):
+            if k:
+                await asyncio.sleep(gap_s)
+            yield f'data: {json.dumps({"choices": [{"text": "x"}]})}\n\n'.encode()
+        usage = {"choices": [], "usage": {"completion_tokens": tokens}}
+        yield f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode()
+
+    async def run() -> replay.Outcome:
+        out = replay.Outcome(0, "a", "a", 8, 4, tokens)
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body()))
+        async with httpx.AsyncClient(transport=transport) as client:
+            await replay.stream_one(client, "http://fake", out, [1, 2, 3, 4], 0.0)
+        return out
+
+    out = asyncio.run(run())
+    assert out.error is None and out.output_tokens == tokens and len(out.tbt_s) == tokens - 1
+    # sleeps never end early; the upper bounds leave 30% for a loaded machine
+    assert first_s <= out.ttft_s < first_s * 1.3
+    assert gap_s * 0.95 <= out.tpot_s < gap_s * 1.3
+    assert out.tpot_s == pytest.approx(sum(out.tbt_s) / (tokens - 1))
+    assert out.e2e_s >= first_s + (tokens - 1) * gap_s

@@ -1,7 +1,17 @@
-"""The replay client against the CPU demo server: its TTFT and TPOT agree with
-the server's own /metrics histograms.
+"""The replay client against the CPU demo server: its TTFT and decode spans
+agree with the server's own /metrics histograms.
 
-TPOT: within 10%. TTFT: the client's span holds the engine's (from the
+Decode span (first to last token, what TPOT divides by tokens - 1): the
+client's total is within 10% of the API server's, e2e minus TTFT. Both are
+read where the outputs reach the API server, so the API server's lag behind
+the engine cancels. It does not cancel against the engine's own clock
+(`request_time_per_output_token`): CI once read the client's TPOT 20%
+above the engine's (0.118 s against 0.099 s), which a lag that grows while a
+request decodes explains (not reproduced on the dev VM, even beside two
+busy loops: 1.3%). The TPOT formula itself is tested on a stream of known
+pace (tests/bench/test_replay_split.py).
+
+TTFT: the client's span holds the engine's (from the
 request's arrival in vLLM's input processor to its first output's handling)
 and adds the API server's work around it, which the engine's clock misses:
 the HTTP request, tokenization, and sending the chunk. On this 2-core
@@ -35,7 +45,7 @@ def _histogram_totals(url: str) -> dict[str, tuple[float, float]]:
     out = {}
     for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
         if fam.name in ("vllm:time_to_first_token_seconds",
-                        "vllm:request_time_per_output_token_seconds"):
+                        "vllm:e2e_request_latency_seconds"):
             total = {s.name.rsplit("_", 1)[1]: s.value for s in fam.samples
                      if s.name.endswith(("_sum", "_count"))}
             out[fam.name] = (total["sum"], total["count"])
@@ -77,13 +87,16 @@ def test_replay_matches_server_metrics(tmp_path):
                                                                           "128"}
     assert all(o.output_tokens == o.output_len for o in outcomes)
 
-    def server_mean(name):
+    def server_sum(name):
         (s0, c0), (s1, c1) = before[name], after[name]
         assert c1 - c0 == len(trace)
-        return (s1 - s0) / (c1 - c0)
+        return s1 - s0
 
-    client, engine = summary["ttft_s"]["mean"], server_mean("vllm:time_to_first_token_seconds")
+    ttft_sum = server_sum("vllm:time_to_first_token_seconds")
+    client, engine = summary["ttft_s"]["mean"], ttft_sum / len(trace)
     print(f"TTFT mean: client {client:.4f} s, engine {engine:.4f} s")
     assert engine <= client <= engine * 1.10 + FRONTEND_S, (client, engine)
-    assert summary["tpot_s"]["mean"] == pytest.approx(
-        server_mean("vllm:request_time_per_output_token_seconds"), rel=0.10)
+    client_decode = sum(sum(o.tbt_s) for o in outcomes)
+    server_decode = server_sum("vllm:e2e_request_latency_seconds") - ttft_sum
+    print(f"decode spans: client {client_decode:.3f} s, API server {server_decode:.3f} s")
+    assert client_decode == pytest.approx(server_decode, rel=0.10)
