@@ -26,6 +26,7 @@ from vllm_loraserve.paging.step import PageLoad
 from vllm_loraserve.worker import cold_start as cold_mod
 from vllm_loraserve.worker.assist import CpuAssist
 from vllm_loraserve.worker.cold_start import ColdStart, group_spans, layer_groups
+from vllm_loraserve.worker.cpu_lora.control import TIMED_OUT
 from vllm_loraserve.worker.cpu_lora.pool import AssistError, CpuPoolConfig, CpuWorkerPool
 from vllm_loraserve.worker.cpu_lora.shm import SharedChunks
 from vllm_loraserve.worker.group_flags import FlagTimeout
@@ -385,6 +386,7 @@ def test_a_failed_sync_free_job_fails_its_adapter_alone_at_collect(tmp_path):
         assert_layers_equal_block(step, but=11)
         assert not step.failed
         step.cold.end_forward()
+        jobs = {c.load.lora_request.lora_int_id: c.jobs for c in step.cold._unchecked[0][2]}
         ((load, why),) = step.cold.collect()
         assert load.lora_request.lora_int_id == 11 and not step.failed
         assert re.search(r"CPU-assisted delta failed: AssistError: CPU LoRA worker 0 failed "
@@ -394,6 +396,10 @@ def test_a_failed_sync_free_job_fails_its_adapter_alone_at_collect(tmp_path):
         assert step.failed == {11: why}
         assert 11 not in step.grouped.slot_of and 10 in step.grouped.slot_of
         assert step.cold.assist_workers == 1  # the workers go on
+        pool.abandon()
+        pool.close()  # what abandon kept still tells the failed job from the good ones
+        assert pool.failure(jobs[11]) == why.split("AssistError: ", 1)[1]
+        assert pool.failure(jobs[10]) is None
     finally:
         pool.close()
         chunks.close()
@@ -448,6 +454,41 @@ def test_a_worker_dead_between_steps_is_found_before_any_batch(tmp_path):
         chunks.close()
 
 
+def test_a_worker_dead_after_a_steps_jobs_leaves_that_step_valid(tmp_path):
+    """Under async scheduling a worker may die after a step's jobs finished
+    and before its report: `collect` must not fail that step's adapters
+    (their deltas are complete), only hand the next steps to the engine's
+    threads. Jobs from the first device wait that gave up on are not valid,
+    finished or not."""
+    chunks = SharedChunks(pinned=False)
+    adapters = make_adapters(tmp_path, shared_alloc(chunks))
+    pool = worker_pool(chunks, timeout_s=60.0)
+    try:
+        step = Step(adapters, "cpu-assist", cold=("cold", "cold2"), assist=pool)
+        step.tokens(TOKENS)
+        assert_layers_equal_block(step, but=-1)
+        step.cold.end_forward()
+        (_, _, colds), = step.cold._unchecked
+        last = max(max(c.jobs) for c in colds)
+        assert pool.finished_through() == last
+        pool.ctl.flags[TIMED_OUT] = last  # had the wait for `last` given up: its batch is not valid
+        assert pool.finished_through() == last - 1
+        pool.ctl.flags[TIMED_OUT] = 0
+        os.kill(pool.pids[0], signal.SIGKILL)
+        pool._procs[0].wait(10)
+        assert step.cold.collect() == []
+        step.cold.begin_step()
+        assert not step.failed and {10, 11} <= step.grouped.slot_of.keys()
+        assert step.cold.assist_workers == 0 and type(step.cold.assist) is CpuAssist
+        # abandon froze the watermark: a job past it (as if queued) is not valid
+        assert pool.finished_through() == last
+        pool.close()  # the flags are gone: abandon's record answers
+        assert pool.failure([last]) is None and pool.failure([last + 1]) is not None
+    finally:
+        pool.close()
+        chunks.close()
+
+
 @pytest.mark.parametrize("path", ["sync-free", "synchronous"])
 def test_cpu_worker_processes_compute_the_deltas_and_a_dead_one_hands_over(tmp_path,
                                                                             monkeypatch, path):
@@ -458,8 +499,8 @@ def test_cpu_worker_processes_compute_the_deltas_and_a_dead_one_hands_over(tmp_p
     the worker count drops to 0. Synchronous (`delta`, where the op is
     missing on a GPU): the delta that finds it dead runs on the threads too,
     and no adapter fails. Sync-free: the batch in flight waits out the
-    timeout and is not valid, so `collect` names both adapters and the next
-    step fails them."""
+    timeout and is not valid, so `collect` names cold, whose rows it held, and
+    the next step fails it; cold2's jobs all finished before: it stays."""
     if path == "synchronous":
         monkeypatch.setattr(cold_mod, "enqueues", lambda assist, device: False)
     chunks = SharedChunks(pinned=False)
@@ -488,10 +529,10 @@ def test_cpu_worker_processes_compute_the_deltas_and_a_dead_one_hands_over(tmp_p
         step.cold.begin_step()
         if path == "synchronous":
             assert not collected and not step.failed
-        else:
-            assert sorted(load.lora_request.lora_int_id for load, _ in collected) == [10, 11]
-            assert sorted(step.failed) == [10, 11]
-            assert all("stopped waiting for CPU LoRA job" in why for why in step.failed.values())
+        else:  # cold2 (no q/k/v) had no job in that batch: its deltas are all valid
+            assert [load.lora_request.lora_int_id for load, _ in collected] == [10]
+            assert list(step.failed) == [10] and 11 in step.grouped.slot_of
+            assert "stopped waiting for CPU LoRA job" in step.failed[10]
     finally:
         pool.close()
         chunks.close()

@@ -36,8 +36,10 @@ group by layer group (`cold_start_group_layers` layers each):
     workers' `delta` where the op is missing on a GPU, logged at start-up):
     x is copied to the host, which waits for the device.
   A delta that fails fails its adapter alone; dead or stuck workers fail the
-  adapters whose deltas were in flight (sync-free) and make later deltas run
-  on this process's threads (logged, and reported).
+  adapters whose deltas were in flight (sync-free: a job past
+  `CpuWorkerPool.finished_through`; an adapter whose jobs all finished before
+  stays, even in a step reported after the failure) and make later deltas
+  run on this process's threads (logged, and reported).
   From the first group that has landed on, the rows are shown again and the
   layers run the GPU kernels, waiting on each group's flag as `pipelined`
   does. A delta is thus computed on the CPU or by the kernels, never both.
@@ -329,14 +331,17 @@ class ColdStart:
             if event is not None and not event.query():
                 break
             self._unchecked.popleft()
+            failed = []
             try:
                 pool.check()
-                failed = [(c, f"AssistError: {text}") for c in colds
-                          if (text := pool.failure(c.jobs)) is not None]
-            except WorkerFailure as e:  # none of that step's deltas is valid
-                failed = [(c, f"WorkerFailure: {e}") for c in colds]
+            except WorkerFailure as e:  # the deltas of jobs it finished before are valid
+                through = pool.finished_through()
+                failed = [(c, f"WorkerFailure: {e}") for c in colds if max(c.jobs) > through]
+                colds = [c for c in colds if max(c.jobs) <= through]
                 with self._collected_lock:
                     self._broken = self._broken or (pool, e)
+            failed += [(c, f"AssistError: {text}") for c in colds
+                       if (text := pool.failure(c.jobs)) is not None]
             for c, why in failed:
                 out.append((c.load, _assist_failure(why)))
                 with self._collected_lock:

@@ -224,6 +224,7 @@ class CpuWorkerPool:
         # Failed jobs whose FAILED slot was reused (the latest `depth` of them).
         self._failures: OrderedDict[int, str] = OrderedDict()
         self._broken: WorkerFailure | None = None
+        self._through: int | None = None  # finished_through() as abandon() found it
         self.pinned = pin
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         try:
@@ -422,16 +423,39 @@ class CpuWorkerPool:
                         "is not valid")
         self._check_alive("")
 
+    def finished_through(self) -> int:
+        """The last job whose result is valid for certain: every worker
+        finished it and every job before it, and no device wait up to it
+        gave up or was released. A step's deltas whose jobs are all at most
+        this are valid even if the pool broke after them (`check` speaks of
+        the pool as it is now). Frozen by `abandon` (it releases the flags);
+        0 once closed without it."""
+        if self._through is not None:
+            return self._through
+        if not self._finalizer.alive:
+            return 0
+        through = int(self.ctl.done().min())
+        timed_out = int(self.ctl.flags[TIMED_OUT])  # the first wait that gave up: its batch's last
+        return min(through, timed_out - 1) if timed_out else through
+
     def failure(self, jobs: Sequence[int]) -> str | None:
         """A failure among `jobs`, each done (waited for, or passed by the
         stream), as text (one whose worker's message is still there, if
-        any); None if none failed."""
+        any); None if none failed. Once closed the flags are gone: what
+        `abandon` kept answers for the jobs it found finished, and any other
+        job counts as failed."""
+        closed = not self._finalizer.alive
         texts = []
         with self._lock:  # post() keeps failures
             for job in jobs:
-                text = self._failures.pop(job, None)
-                if text is None and self.ctl.flags[self.ctl.failed_index(job)] == job:
-                    text = self._failure_text(job)
+                if closed:
+                    text = self._failures.get(job)
+                    if text is None and (self._through is None or job > self._through):
+                        text = f"the CPU LoRA pool closed before job {job} was known done"
+                else:
+                    text = self._failures.pop(job, None)
+                    if text is None and self.ctl.flags[self.ctl.failed_index(job)] == job:
+                        text = self._failure_text(job)
                 if text is not None:
                     texts.append(text)
         told = [t for t in texts if not t.endswith(LOST_MESSAGE)]
@@ -608,6 +632,12 @@ class CpuWorkerPool:
         valid; `check` keeps raising). The segments stay mapped, and
         registered with CUDA, until `close()`: call it once the stream has
         passed those waits, which read and copy them."""
+        if self._through is None:
+            self._through = self.finished_through()
+            with self._lock:  # the finished jobs' failures outlive the flags (`failure`)
+                for job in range(max(1, self._through - self.layout.depth + 1),
+                                 self._through + 1):
+                    self._keep_failure(job)
         flags = self.ctl.flags
         flags[TIMED_OUT] = flags[TIMED_OUT] or self._next_job  # queued waits return at once
         alive = []
