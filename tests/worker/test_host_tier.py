@@ -314,6 +314,18 @@ def test_a_removed_adapter_read_back_goes_once_nothing_needs_it():
     t.check()
 
 
+def test_an_id_added_back_after_its_remove_stays():
+    t = tier(pages=4)
+    step(t, 0)
+    assert t.remove(0)
+    t.add(Req(0))
+    t.report()  # the add's read is reported: no longer kept as fresh
+    t.end_step()
+    t.drop_removed(resident=())
+    assert 0 in t and t.bytes_used == ALIGN
+    t.check()
+
+
 @dataclass
 class FileReq:
     lora_int_id: int

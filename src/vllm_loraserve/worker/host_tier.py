@@ -263,8 +263,11 @@ class HostTier(Generic[T]):
     def add(self, request: Readable) -> T:
         """Runtime add_lora (first load or in-place reload): read now. A
         failure is this call's error only; reads of an earlier version still
-        under way commit nothing."""
+        under way commit nothing. An id added back after a remove is live
+        again: `drop_removed` no longer takes it."""
         self._new_generation(request.lora_int_id)
+        with self._lock:
+            self._removed.pop(request.lora_int_id, None)
         return self._read(request, background=False, record_failure=False)
 
     def remove(self, lora_id: int) -> bool:
