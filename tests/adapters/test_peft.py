@@ -218,11 +218,55 @@ def test_written_adapter_is_real_peft(tmp_path):
     ({"lora_alpha": float("nan")}, "'lora_alpha' must be a finite number, got nan"),
     ({"lora_alpha": float("inf")}, "'lora_alpha' must be a finite number, got inf"),
     ({"peft_type": "IA3"}, "only LORA"),
+    # strings are truthy: "false" would have served rsLoRA's scaling
+    ({"use_rslora": "false"}, "'use_rslora' must be true or false, got 'false'"),
+    ({"use_dora": "false"}, "'use_dora' must be true or false"),
+    ({"lora_bias": 1}, "'lora_bias' must be true or false"),
+    ({"bias": ["none"]}, "'bias' must be a string"),
 ])
 def test_refused_configs(tmp_path, change, message):
     path = _write(tmp_path / "a")
     _edit_config(path, **change)
     with pytest.raises(AdapterError, match=message):
+        inspect_adapter(path)
+
+
+def test_json_false_and_null_flags_are_served_as_false(tmp_path):
+    path = _write(tmp_path / "a", rank=4, alpha=8)
+    _edit_config(path, use_rslora=False, use_dora=None, bias=None, lora_bias=False)
+    spec = inspect_adapter(path)
+    assert not spec.use_rslora and spec.scaling == 2.0
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+@pytest.mark.parametrize("dtype, name", [(torch.float64, "F64"), (torch.int8, "I8"),
+                                         (torch.float8_e4m3fn, "F8_E4M3")])
+def test_weights_of_a_dtype_the_pools_do_not_serve_are_refused(tmp_path, fmt, dtype, name):
+    """Only bf16, fp16 and fp32 are served (the paged pool's reader takes no
+    other); the values check could not read fp8 on the CPU (aminmax)."""
+    from safetensors.torch import load_file, save_file
+
+    path = _write(tmp_path / "a")
+    st = os.path.join(path, "adapter_model.safetensors")
+    tensors = {k: t.to(dtype) for k, t in load_file(st).items()}
+    if fmt == "bin":
+        torch.save(tensors, os.path.join(path, "adapter_model.bin"))
+        os.remove(st)
+    else:
+        save_file(tensors, st)
+    if fmt == "bin":  # torch's name
+        name = str(dtype).removeprefix("torch.")
+    with pytest.raises(AdapterError, match=rf"weights of dtype\(s\) \['{name}'\]; LoRA "
+                                           r"weights must be one of \['BF16', 'F16', 'F32'\]"):
+        inspect_adapter(path)
+
+
+def test_a_config_that_is_a_fifo_is_refused_without_waiting(tmp_path):
+    path = _write(tmp_path / "a")
+    cfg = os.path.join(path, "adapter_config.json")
+    os.remove(cfg)
+    os.mkfifo(cfg)  # opening it for reading would wait for a writer
+    with pytest.raises(AdapterError, match="adapter_config.json in .* is not a regular file"):
         inspect_adapter(path)
 
 

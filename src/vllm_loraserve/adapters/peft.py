@@ -29,6 +29,7 @@ import json
 import math
 import os
 import reprlib
+import stat
 import threading
 from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import Executor, Future, wait
@@ -42,6 +43,9 @@ _PREFIX = "base_model.model."
 _KINDS = {"lora_A": "A", "lora_B": "B", "lora_embedding_A": "A", "lora_embedding_B": "B"}
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1,
                 "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
+# What the pools serve (and the values check reads): a header may declare the rest.
+WEIGHT_DTYPES = ("BF16", "F16", "F32")
+_TORCH_NAMES = {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32"}
 # A PEFT config is a few KB; a safetensors header is bounded as the
 # safetensors library bounds it (MAX_HEADER_SIZE), so a length field or a
 # file of gigabytes costs no more than this much memory.
@@ -119,7 +123,12 @@ def _read_config(path: str) -> dict[str, Any]:
     if not os.path.lexists(cfg_path):
         raise AdapterError(f"{CONFIG_FILE} is missing in {path}")
     try:
-        with open(cfg_path, "rb") as f:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (a reader's thread,
+        # or the API server's, would hang); anything but a regular file is refused.
+        fd = os.open(cfg_path, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise AdapterError(f"{CONFIG_FILE} in {path} is not a regular file")
             data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:  # a directory, a dangling symlink, no permission
         raise AdapterError(f"{CONFIG_FILE} in {path} is unreadable: {e}") from None
@@ -156,11 +165,19 @@ def _check_config(cfg: dict[str, Any]) -> tuple[int, float, bool]:
     base = cfg.get("base_model_name_or_path")
     if base is not None and not isinstance(base, str):
         problems.append(f"'base_model_name_or_path' must be a string, got {_show(base)}")
-    if cfg.get("use_dora"):
+    # JSON booleans only: the string "false" is truthy, and would be served as true.
+    flags = {key: cfg.get(key) or False for key in ("use_rslora", "use_dora", "lora_bias")}
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            problems.append(f"'{key}' must be true or false, got {_show(value)}")
+    if flags["use_dora"] is True:
         problems.append("DoRA adapters (use_dora) are not supported by vLLM")
     if cfg.get("modules_to_save"):
         problems.append("modules_to_save is not supported by vLLM")
-    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
+    bias = cfg.get("bias") or "none"
+    if not isinstance(bias, str):
+        problems.append(f"'bias' must be a string, got {_show(bias)}")
+    elif bias != "none" or flags["lora_bias"] is True:
         problems.append("adapter bias terms are not supported by vLLM")
     # vLLM applies one scaling to every module; per-module patterns would be
     # served with wrong numbers, so refuse them instead.
@@ -169,7 +186,7 @@ def _check_config(cfg: dict[str, Any]) -> tuple[int, float, bool]:
             problems.append(f"per-module {key} is not supported by vLLM's LoRA loader")
     if problems:
         raise AdapterError("; ".join(problems))
-    return r, float(alpha), bool(cfg.get("use_rslora", False))
+    return r, float(alpha), flags["use_rslora"]
 
 
 def _tensor_shapes(path: str) -> tuple[dict[str, tuple[list[int], str]], int]:
@@ -186,16 +203,24 @@ def _tensor_shapes(path: str) -> tuple[dict[str, tuple[list[int], str]], int]:
                     shapes[key] = (list(s.get_shape()), s.get_dtype())
         except Exception as e:  # the library raises its own error types
             raise AdapterError(f"{SAFETENSORS_FILE} in {path} is unreadable: {e}") from None
-        odd = sorted({dt for _, dt in shapes.values()} - set(_DTYPE_BYTES))
-        if odd:
-            raise AdapterError(f"{SAFETENSORS_FILE} in {path} has unsupported dtype(s) {odd}")
+        _check_dtypes(shapes, SAFETENSORS_FILE, path)
         size = sum(math.prod(shape) * _DTYPE_BYTES[dt] for shape, dt in shapes.values())
         return shapes, size
     if os.path.isfile(bin_path):
         state = _load_bin(path)
-        shapes = {k: (list(v.shape), str(v.dtype)) for k, v in state.items()}
+        shapes = {k: (list(v.shape), _TORCH_NAMES.get(str(v.dtype),
+                                                      str(v.dtype).removeprefix("torch.")))
+                  for k, v in state.items()}
+        _check_dtypes(shapes, BIN_FILE, path)
         return shapes, sum(v.numel() * v.element_size() for v in state.values())
     raise AdapterError(f"no {SAFETENSORS_FILE} (or {BIN_FILE}) in {path}")
+
+
+def _check_dtypes(shapes: dict[str, tuple[list[int], str]], file: str, path: str) -> None:
+    odd = sorted({dt for _, dt in shapes.values()} - set(WEIGHT_DTYPES))
+    if odd:
+        raise AdapterError(f"{file} in {path} has weights of dtype(s) {odd}; LoRA weights "
+                           f"must be one of {list(WEIGHT_DTYPES)}")
 
 
 def _split_key(key: str) -> tuple[str, str]:
@@ -480,9 +505,9 @@ def read_weights(path: str, alloc: Any, max_value: float | None = None,
         if got != size:
             raise AdapterError(f"the adapter weights in {spec.path} changed while being read")
         for key, (offset, shape, dt) in index.items():
-            if dt not in dtypes:
+            if dt not in dtypes:  # the file changed since its inspection
                 raise AdapterError(f"tensor {key!r} has dtype {dt}; LoRA weights must be "
-                                   f"one of {sorted(dtypes)}")
+                                   f"one of {list(WEIGHT_DTYPES)}")
             module, kind = _split_key(key)
             refs.setdefault(module, {})[_KINDS.get(kind, kind)] = RawTensor(
                 offset, tuple(shape), dtypes[dt])
