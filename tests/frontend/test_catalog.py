@@ -6,6 +6,7 @@ import asyncio
 import os
 import threading
 
+import pytest
 import torch
 
 from vllm_loraserve.adapters.peft import ModelLoRAInfo, write_adapter
@@ -200,6 +201,32 @@ def test_vllm_pool_checks_run_on_the_catalogues_own_threads(tmp_path, monkeypatc
     asyncio.run(cat.admit("ok", _adapter(tmp_path / "ok"), "adapter-dir"))
     assert asyncio.run(cat.check_weights("ok")) is None
     assert len(threads) == 2 and all(t.startswith("loraserve-check") for t in threads), threads
+
+
+def test_a_check_that_fails_for_another_reason_is_tried_again(tmp_path, monkeypatch):
+    """An I/O error while reading the tensors says nothing about the adapter:
+    WeightsUnchecked (a 503), the entry stays unchecked and servable, and the
+    next request reads again (and finds the NaN)."""
+    from vllm_loraserve.frontend import catalog as catalog_module
+
+    check = catalog_module.check_finite_weights
+    calls = []
+
+    def flaky(spec, max_value):
+        calls.append(spec.path)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+        return check(spec, max_value)
+
+    monkeypatch.setattr(catalog_module, "check_finite_weights", flaky)
+    cat, _ = _catalog()
+    asyncio.run(cat.admit("n", _nan_adapter(tmp_path / "n"), "adapter-dir"))
+    with pytest.raises(catalog_module.WeightsUnchecked, match="OSError: .*Input/output error"):
+        asyncio.run(cat.check_weights("n"))
+    entry = cat.entries["n"]
+    assert entry.spec is not None and not entry.weights_checked
+    assert "non-finite values" in asyncio.run(cat.check_weights("n"))
+    assert len(calls) == 2 and entry.weights_checked and cat.invalid_reason("n")
 
 
 def test_scaling_is_checked_in_the_serving_dtype(tmp_path):

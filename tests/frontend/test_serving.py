@@ -115,3 +115,37 @@ def test_a_workers_refusal_reaches_the_client_unwrapped():
             "check the stack trace above for the root cause"):
         assert serving._worker_reason(message) == reason
     assert serving._worker_reason("something else") == "something else"
+
+
+def test_a_load_a_dead_engine_fails_is_a_503_that_marks_no_adapter(tmp_path, caplog):
+    """vLLM answers every failed add_lora with a 500, its engine's death too:
+    that is not the adapter's fault, so the client (the cluster router
+    included, which drops an adapter a 400 refuses) gets a 503, and the
+    adapter is not recorded invalid. A live engine's refusal stays a 400."""
+    from http import HTTPStatus
+
+    from vllm_loraserve.frontend import errors
+
+    _adapter(tmp_path / "a")
+    models = _models([tmp_path])
+    _start(models, caplog)
+    catalog = catalog_of(models)
+
+    async def failing_load(self, request, base_model_name=None):
+        return serving._error("EngineCore encountered an issue. See stack trace (above) for "
+                              "the root cause.", "InternalServerError",
+                              HTTPStatus.INTERNAL_SERVER_ERROR)
+
+    load = serving._make_load_lora_adapter(failing_load)
+    for source in ("runtime", "lora-modules"):
+        _adapter(tmp_path / source)
+        request = SimpleNamespace(lora_name=source, lora_path=str(tmp_path / source),
+                                  load_inplace=False)
+        models.engine_client.errored = True
+        r = asyncio.run(load(models, request, loraserve_source=source))
+        assert (r.error.code, r.error.type) == (503, errors.ENGINE_UNAVAILABLE)
+        assert "the engine is not running (EngineCore encountered" in r.error.message
+        assert source not in catalog.entries
+        models.engine_client.errored = False
+        r = asyncio.run(load(models, request, loraserve_source=source))
+        assert (r.error.code, r.error.type) == (400, errors.ADAPTER_INVALID)

@@ -2,7 +2,8 @@
 
 Adapters come from `--lora-modules`, `--loraserve-adapter-dir` and runtime
 `/v1/load_lora_adapter` calls. Each is inspected (config and safetensors
-header only) and checked against the served model *before* its name becomes
+header only, on a thread: not the event loop) and checked against the
+served model *before* its name becomes
 routable: vLLM reads adapters inside the engine step, where a bad one takes
 the whole engine down. Its tensors (NaN/Inf, a scaling that overflows the
 serving dtype) are not read here with the paged pool: its workers check them
@@ -53,6 +54,11 @@ MAX_RETIRED_IDS = MAX_BUFFERED_EVENTS
 # `--loraserve-pool vllm` only: the tensor reads of `check_finite_weights`,
 # kept off the event loop's default pool (vLLM's own work runs there).
 WEIGHT_CHECK_THREADS = 2
+
+
+class WeightsUnchecked(RuntimeError):
+    """An adapter's tensors could not be read for their check (an I/O error,
+    say): nothing is known against it, and the next request checks again."""
 
 
 @dataclass
@@ -163,7 +169,8 @@ class AdapterCatalog:
         tensors at all (`max_weight`)."""
         entry = AdapterEntry(name=name, path=os.path.abspath(path), source=source)
         try:
-            spec = inspect_adapter(path)
+            # Off the event loop: a header may be 100 MB, the files on a slow disk.
+            spec = await asyncio.to_thread(inspect_adapter, path)
             check_against_model(spec, await self.model_info())
             if read_weights and self._checks is not None:
                 await self._check_finite(spec)
@@ -205,13 +212,18 @@ class AdapterCatalog:
             self._weight_checks[name] = check
         try:
             await asyncio.shield(check)
+            failed = None
         except AdapterError as e:
-            if self.entries.get(name) is entry:
-                entry.spec, entry.error = None, str(e)
-        finally:
-            if self.entries.get(name) is entry and check.done():
-                entry.weights_checked = True
-                self._weight_checks.pop(name, None)
+            failed = str(e)
+        except Exception as e:  # not the adapter's fault: a later request checks again
+            if self._weight_checks.get(name) is check:
+                del self._weight_checks[name]
+            raise WeightsUnchecked(f"{type(e).__name__}: {e}") from e
+        if self.entries.get(name) is entry:
+            if failed is not None:
+                entry.spec, entry.error = None, failed
+            entry.weights_checked = True
+            self._weight_checks.pop(name, None)
         return entry.error
 
     def bind(self, name: str, lora_int_id: int) -> None:

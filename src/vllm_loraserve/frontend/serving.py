@@ -68,7 +68,7 @@ from vllm_loraserve.adapters.safety import (
 )
 from vllm_loraserve.config import from_vllm_config
 from vllm_loraserve.frontend import errors
-from vllm_loraserve.frontend.catalog import AdapterCatalog, AdapterEntry
+from vllm_loraserve.frontend.catalog import AdapterCatalog, AdapterEntry, WeightsUnchecked
 
 logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
 
@@ -218,6 +218,10 @@ async def _load(models: Any, catalog: AdapterCatalog, load_lora_adapter, request
     result = await load_lora_adapter(models, request, base_model_name)
     if isinstance(result, ErrorResponse):
         reason = _worker_reason(result.error.message)
+        if getattr(models.engine_client, "errored", False):  # not the adapter's fault
+            return _error(f"LoRA adapter '{name}' could not be loaded: the engine is not "
+                          f"running ({reason})", errors.ENGINE_UNAVAILABLE,
+                          HTTPStatus.SERVICE_UNAVAILABLE)
         if keep_invalid and name not in models.lora_requests:
             entry.spec, entry.error = None, reason
             catalog.record(entry)
@@ -362,7 +366,11 @@ def _make_check_model(check_model):
         name = getattr(request, "model", None)
         if catalog is not None and name in catalog.entries:
             failed_before = catalog.invalid_reason(name) is not None
-            reason = await catalog.check_weights(name)
+            try:
+                reason = await catalog.check_weights(name)
+            except WeightsUnchecked as e:
+                return _error(f"LoRA adapter '{name}' cannot be checked now: {e}",
+                              errors.ADAPTER_UNCHECKED, HTTPStatus.SERVICE_UNAVAILABLE)
             if reason is not None:
                 # Only an adapter the engine never loaded can fail its check
                 # here (`--loraserve-pool vllm`: a directory adapter on its
