@@ -149,3 +149,20 @@ def test_a_load_a_dead_engine_fails_is_a_503_that_marks_no_adapter(tmp_path, cap
         models.engine_client.errored = False
         r = asyncio.run(load(models, request, loraserve_source=source))
         assert (r.error.code, r.error.type) == (400, errors.ADAPTER_INVALID)
+
+
+def test_a_runtime_path_the_os_cannot_take_is_a_400_naming_lora_path(tmp_path, caplog):
+    """A NUL byte: a ValueError from the path check, as the router's admin answers it."""
+    models = _models([tmp_path])
+    _start(models, caplog)
+
+    async def unreachable(self, request, base_model_name=None):
+        raise AssertionError("the engine was asked to load it")
+
+    load = serving._make_load_lora_adapter(unreachable)
+    request = SimpleNamespace(lora_name="x", lora_path=str(tmp_path / "a\0b"),
+                              load_inplace=False)
+    r = asyncio.run(load(models, request))  # vLLM's handler said only "embedded null byte"
+    assert (r.error.code, r.error.param) == (400, "lora_path")
+    assert r.error.message.startswith("LoRA adapter 'x' refused: invalid lora_path")
+    assert r.error.message.endswith("embedded null byte")

@@ -201,6 +201,10 @@ async def _load(models: Any, catalog: AdapterCatalog, load_lora_adapter, request
         except PathOutsideRoots as e:
             return _error(f"LoRA adapter '{name}' refused: {e}", "PermissionDenied",
                           HTTPStatus.FORBIDDEN, "lora_path")
+        except ValueError as e:  # a NUL byte or a lone surrogate: no path the OS takes
+            return _error(f"LoRA adapter '{name}' refused: invalid lora_path "
+                          f"{request.lora_path!r}: {e}", "BadRequestError",
+                          HTTPStatus.BAD_REQUEST, "lora_path")
     if served is not None and not request.load_inplace:
         # vLLM refuses the duplicate (its message, our type); the served
         # version's entry stays as it is.
