@@ -136,7 +136,8 @@ def upstream_app(index: int, model_info: dict | None = None):
     answering (or after the first chunk when streaming); on engine `index`
     only, "hold-<index>" never answers (streamed: nothing after the headers)
     and "hold-after-first-<index>" streams one chunk, then nothing: requests
-    in flight when the engine is killed or stopped. It refuses, with
+    in flight when the engine is killed or stopped; "http-500-<index>" and
+    "http-503-<index>" answer that status (an engine failing, or dying). It refuses, with
     vLLM's 400 and the value it got in the message, what vLLM refuses of
     the fields `_Request` names: a wrong type, `stream_options` without
     `stream`, a temperature that is not finite.
@@ -171,6 +172,11 @@ def upstream_app(index: int, model_info: dict | None = None):
         choice = {"index": 0, "text": f"engine-{index}", "finish_reason": "length"}
         slow = body.get("prompt") == "slow"
         hold = body.get("prompt") == f"hold-{index}"
+        for status in (500, 503):
+            if body.get("prompt") == f"http-{status}-{index}":
+                return JSONResponse(status_code=status, content={"error": {
+                    "message": f"engine {index} says {status}", "type": "EngineError",
+                    "param": None, "code": status}})
         if not req.stream:
             if slow:
                 await asyncio.sleep(3)

@@ -299,6 +299,32 @@ def test_engine_refusing_connections_is_retried_on_another_holder(upstreams):
     run_router([dead, upstreams[1]], body)
 
 
+def test_engine_answering_503_is_retried_and_a_5xx_gets_it_checked(upstreams):
+    """A 503 says the engine cannot serve now: another holder answers. A 500
+    may be the request's own: it reaches the client, but its engine is
+    health-checked at once (a dying engine answers 500s until its checks
+    fail)."""
+    async def body(client, core):
+        await core.set_placement({**core.assignment, "b8": [(0, 0.5), (1, 0.5)]})
+        checked = []
+        core.suspect = checked.append
+        for _ in range(10):
+            r = await client.post("/v1/completions",
+                                  json={"model": "b8", "prompt": "http-503-0"})
+            assert r.status_code == 200 and r.headers["x-loraserve-engine"] == "1"
+        assert core.metrics.requests.labels("b8", "0", "retried")._value.get() > 0
+        assert set(checked) == {0}
+        checked.clear()
+        while True:  # until engine 0 takes one
+            r = await client.post("/v1/completions",
+                                  json={"model": "b8", "prompt": "http-500-0"})
+            if r.headers["x-loraserve-engine"] == "0":
+                break
+        assert r.status_code == 500 and r.json()["error"]["message"] == "engine 0 says 500"
+        assert checked == [0]
+    run_router(upstreams, body)
+
+
 def test_engine_dying_mid_stream_ends_the_stream_with_an_error(upstreams):
     async def body(client, core):
         r = await client.post("/v1/completions",

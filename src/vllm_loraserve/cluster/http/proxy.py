@@ -32,6 +32,9 @@ from vllm_loraserve.cluster.http.state import RouterState, State, error
 from vllm_loraserve.cluster.router import RouterCore
 
 _RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
+# An engine's answers that say it cannot serve now, not that the request is
+# wrong: retried on another engine (nothing reached the client yet).
+_UNAVAILABLE = (502, 503, 504)
 _MAX_ENGINES = 2  # engines one request is tried on
 T = TypeVar("T")
 
@@ -254,10 +257,15 @@ async def _start(state: RouterState, engine: int, path: str, content: bytes,
             first = await _unless_down(anext(lines, None), down, core, engine)
             return _Answer(upstream, lines=lines, first=first)
         try:
-            return _Answer(upstream, body=await _unless_down(upstream.aread(), down, core,
-                                                             engine))
+            body = await _unless_down(upstream.aread(), down, core, engine)
         finally:
             await upstream.aclose()
+        if upstream.status_code >= 500:  # a dying engine answers so before its checks fail
+            core.suspect(engine)
+            if upstream.status_code in _UNAVAILABLE:
+                raise _EngineLost(f"engine {engine} answered HTTP {upstream.status_code}: "
+                                  f"{body[:300].decode(errors='replace')}")
+        return _Answer(upstream, body=body)
     except BaseException as e:
         if upstream is not None:
             await upstream.aclose()
