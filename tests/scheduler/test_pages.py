@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 from vllm.lora.request import LoRARequest
@@ -199,3 +200,77 @@ def test_random_churn_keeps_every_invariant(seed):
         if rng.random() < 0.3:
             ap.take_step()
         check_invariants(ap)
+
+
+def test_an_admission_never_takes_its_own_prefix_hits_as_adapter_pages():
+    """A request's prefix-cache hits are free blocks (ref 0) until vLLM's
+    allocate_slots touches them: taken as its adapter's pages first, the
+    request would read the adapter's weights as its KV. They stay out of
+    the adapter's reach, and free, for allocate_slots to take."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    from vllm_loraserve.scheduler.scheduler import PoolSchedulerMixin
+    from vllm_loraserve.scheduler.waits import AdapterWaits
+
+    pool = BlockPool(12, enable_caching=True, hash_block_size=16)
+    ap = AdapterPages(pool, lambda r: (8, PAGES[r.lora_int_id]), 4)
+    hits = pool.get_new_blocks(4)
+    pool.free_blocks(hits)  # back at the head of the free queue: taken first
+    assert pool.free_block_queue.get_all_free_blocks()[:4] == hits
+
+    def allocate_slots(request, num_new_tokens, num_new_computed_tokens=0,
+                       new_computed_blocks=None, num_lookahead_tokens=0):
+        pool.touch(new_computed_blocks.blocks[0])  # as vLLM's: the hits, then new blocks
+        return KVCacheBlocks((list(new_computed_blocks.blocks[0]) + pool.get_new_blocks(1),))
+
+    sched = SimpleNamespace(adapter_pages=ap, _adapter_failures={}, _waits=[],
+                            _adapter_waits=AdapterWaits())
+    allocate = PoolSchedulerMixin._make_allocate(sched, allocate_slots)
+    request = SimpleNamespace(request_id="r", lora_request=lr(2))  # 5 pages
+    got = allocate(request, 16, num_new_computed_tokens=64,
+                   new_computed_blocks=KVCacheBlocks((hits,)))
+    assert got is not None and got.blocks[0][:4] == hits
+    assert not {b.block_id for b in hits} & {b.block_id for b in ap.resident[2].blocks}
+    assert all(b.ref_cnt == 1 for b in hits)  # the request's alone
+    # The request's KV ends (its adapter stays, in use): 6 blocks free, 4 of them
+    # another request's hits, so its 9-page adapter does not fit.
+    pool.free_blocks(got.blocks[0])
+    assert not ap.acquire("r2", lr(3), hits)
+    assert all(b.ref_cnt == 0 for b in hits) and pool.get_num_free_blocks() == 6
+    check_invariants(ap)
+
+
+def test_a_replaced_adapter_in_use_takes_no_new_request():
+    """After an in-place reload the old version's pages serve only the
+    requests that held them: a new request waits, and gets the new version
+    once the old one's requests end."""
+    ap = make()
+    assert ap.acquire("old", lr(2))
+    ap.take_step()
+    ap.forget(2)  # the reload
+    assert ap.replaced_in_use(2)
+    assert not ap.acquire("new", lr(2)) and not ap.holds("new")
+    ap.release("old")  # stale and idle: its pages go
+    assert 2 not in ap.resident and not ap.replaced_in_use(2)
+    assert ap.acquire("new", lr(2)) and [ld.slot for ld in ap.take_step().loads] == [0]
+    # a removed one is different: requests admitted before its removal join it
+    ap.forget(2, removed=True)
+    assert not ap.replaced_in_use(2) and ap.acquire("late", lr(2))
+    check_invariants(ap)
+
+
+def test_a_prefix_cache_reset_that_preempts_everything_frees_their_adapters_too():
+    """vLLM's reset_prefix_cache(reset_running_requests=True) preempts every
+    running request (releasing their adapters), then resets the block pool,
+    which needs every block free: the adapters they used go then."""
+    from vllm_loraserve.scheduler.scheduler import PoolSchedulerMixin
+
+    ap = make()
+    assert ap.acquire("idle", lr(1)) and ap.acquire("running", lr(2))
+    ap.release("idle")
+    reset = PoolSchedulerMixin._make_reset(SimpleNamespace(adapter_pages=ap),
+                                           ap.block_pool.reset_prefix_cache)
+    assert not reset()  # a request still holds adapter 2: as vLLM, no reset
+    assert 1 not in ap.resident and 2 in ap.resident
+    ap.release("running")  # vLLM's preemption of every running request
+    assert reset() and not ap.resident

@@ -19,13 +19,18 @@ Invariants (tests/scheduler/test_pages.py):
   free: an adapter loaded ahead is idle (evictable) until a request acquires it;
 - a removed adapter (`forget(..., removed=True)`) is not kept once idle:
   requests admitted before its removal may still make it resident, and its
-  pages go with the last of them.
+  pages go with the last of them;
+- a replaced adapter (`forget` after an in-place reload) takes no new
+  request while its old version is in use: they get the new version, loaded
+  once the old one's requests end (`replaced_in_use`);
+- an admission never takes the request's own prefix-cache hits as its
+  adapter's pages (`acquire`'s `hits`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,13 +89,31 @@ class AdapterPages:
     def evictable_pages(self, keep: int | None = None) -> int:
         return sum(len(self.resident[i].blocks) for i in self._idle if i != keep)
 
+    def replaced_in_use(self, lora_id: int) -> bool:
+        """Its resident pages hold a version replaced since (an in-place
+        reload) that requests still use: the new version loads once they end."""
+        r = self.resident.get(lora_id)
+        return r is not None and r.stale and r.refs > 0 and lora_id not in self._removed
+
     # -- admission --------------------------------------------------------
-    def acquire(self, request_id: str, lora_request: Any) -> bool:
+    def acquire(self, request_id: str, lora_request: Any, hits: Sequence[Any] = ()) -> bool:
         """Make the request's adapter resident (evicting idle adapters if
         needed) and hold a ref for the request. False, with nothing changed,
-        when it cannot be made resident now."""
+        when it cannot be made resident now. `hits`: the request's prefix
+        cache hits (KV blocks it will hold, free until then): never taken
+        as its adapter's pages, which the request would read as its KV."""
         if request_id in self._holders:
             return True
+        lora_id = lora_request.lora_int_id
+        if self.replaced_in_use(lora_id):
+            return False
+        self.block_pool.touch(hits)  # out of the free queue while pages are taken
+        try:
+            return self._acquire(request_id, lora_request)
+        finally:
+            self.block_pool.free_blocks(hits)
+
+    def _acquire(self, request_id: str, lora_request: Any) -> bool:
         lora_id = lora_request.lora_int_id
         r = self.resident.get(lora_id)
         if r is not None and r.stale and r.refs == 0:

@@ -29,6 +29,7 @@ things:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import time
@@ -149,11 +150,18 @@ class PoolSchedulerMixin:
                                           cfg.max_slots)
         self.kv_cache_manager.allocate_slots = self._make_allocate(
             self.kv_cache_manager.allocate_slots)
+        self.kv_cache_manager.reset_prefix_cache = self._make_reset(
+            self.kv_cache_manager.reset_prefix_cache)
         logger.info("vllm-loraserve pool: adapters share %d KV pages of %d elements",
                     self.kv_cache_manager.block_pool.num_gpu_blocks - 1, layout.page_size)
 
     def _make_allocate(self, allocate_slots: Any) -> Any:
         pages = self.adapter_pages
+        signature = inspect.signature(allocate_slots)
+
+        def prefix_hits(request: Any, args: Any, kwargs: Any) -> list[Any]:
+            hits = signature.bind(request, *args, **kwargs).arguments.get("new_computed_blocks")
+            return [b for group in hits.blocks for b in group] if hits is not None else []
 
         def allocate(request: Any, *args: Any, **kwargs: Any) -> Any:
             lr = request.lora_request
@@ -162,7 +170,8 @@ class PoolSchedulerMixin:
                 if request.request_id in self._adapter_failures:
                     return None
                 try:
-                    if not pages.acquire(request.request_id, lr):
+                    if not pages.acquire(request.request_id, lr,
+                                         prefix_hits(request, args, kwargs)):
                         return None
                 except AdapterError as e:
                     # Only this request fails (update_from_output), not the engine.
@@ -183,6 +192,15 @@ class PoolSchedulerMixin:
 
         return allocate
 
+    def _make_reset(self, reset_prefix_cache: Any) -> Any:
+        def reset() -> bool:
+            # It needs every block free: idle adapters go. Here, not before vLLM's
+            # reset_running_requests preempts the running ones, releasing theirs.
+            self.adapter_pages.evict_all_idle()
+            return reset_prefix_cache()
+
+        return reset
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         held = self._set_aside_cold()
         try:
@@ -198,6 +216,8 @@ class PoolSchedulerMixin:
         return out
 
     def _ready(self, lora_id: int) -> bool:
+        if self.adapter_pages.replaced_in_use(lora_id):
+            return False  # its requests wait aside for the new version
         return lora_id in self.adapter_pages.resident or lora_id in self._host_ready
 
     def _set_aside_cold(self) -> list[tuple[Any, Any]]:
@@ -339,11 +359,6 @@ class PoolSchedulerMixin:
         super()._free_request_blocks(request)
         self.adapter_pages.release(request.request_id)
         self._adapter_waits.forget(request.request_id)
-
-    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
-        # BlockPool.reset_prefix_cache needs every block free: idle adapters go.
-        self.adapter_pages.evict_all_idle()
-        return super().reset_prefix_cache(*args, **kwargs)
 
     def forget_adapter(self, lora_id: int, removed: bool = False) -> None:
         """A runtime remove (`removed`), an in-place reload or a failed read:
