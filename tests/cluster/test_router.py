@@ -294,3 +294,93 @@ def test_down_signal_is_set_when_the_engine_leaves_routing_and_fresh_after_rejoi
         await core.check_now(0)
         assert not core.down_signal(0).is_set() and 0 not in core.down_reason
     asyncio.run(body())
+
+
+def test_a_route_to_an_engine_that_lost_its_copy_is_not_taken():
+    """One engine, dead and back: its route outlives its copies until the
+    placement reloads them. A request in that window fetches its adapter
+    (acquire) instead of going where vLLM would answer 404."""
+    async def body():
+        core, engines, _ = make_core(n=1, catalog={"a": 8, "b": 8})
+        await core.start()
+        engines[0].up = False
+        await core.check_now(0)
+        assert core.assignment["a"] == [(0, 1.0)]  # no live engine: the route stays
+        engines[0].up = True
+        engines[0].loaded.clear()
+        engines[0].stored.clear()
+        core.holders["a"].discard(0)  # as _engine_up does, before its placement
+        core.alive.add(0)
+        assert core.choose("a") is None
+        assert await core.acquire("a") == 0 and "a" in engines[0].loaded
+    asyncio.run(body())
+
+
+def test_a_client_leaving_does_not_cancel_a_load_a_placement_waits_for():
+    async def body():
+        core, engines, _ = make_core(n=2, catalog={"a": 8}, health_failures=99)
+        await core.start()
+        src, dst = 0, 1
+        await core.set_placement({"a": [(src, 1.0)]})
+        await core.settle()
+        engines[dst].load_gates["a"] = gate = asyncio.Event()
+        placing = asyncio.create_task(core.set_placement({"a": [(dst, 1.0)]}))
+        await asyncio.sleep(0.05)
+        request = asyncio.create_task(core.ensure("a", dst))  # a request joins that load
+        await asyncio.sleep(0.05)
+        request.cancel()  # its client left
+        await asyncio.sleep(0.05)
+        gate.set()
+        assert await placing == 1
+        assert "a" in engines[dst].loaded and core.routing.engines("a") == [dst]
+        await core.settle()
+        check_invariants(core, engines)
+    asyncio.run(body())
+
+
+def test_an_on_demand_fetch_that_ends_after_an_unregister_is_undone():
+    async def body():
+        core, engines, _ = make_core(n=2, catalog={"a": 8, "b": 8}, health_failures=99)
+        await core.start()
+        src, other = 0, 1
+        await core.set_placement({**core.assignment, "a": [(src, 1.0)]})
+        await core.settle()
+        engines[other].load_gates["a"] = gate = asyncio.Event()
+        fetch = asyncio.create_task(core.acquire("a", exclude={src}))
+        await asyncio.sleep(0.05)
+        await core.unregister("a")
+        gate.set()
+        assert await fetch is None
+        await core.settle()
+        assert "a" not in core.assignment and not any("a" in e.loaded for e in engines.values())
+    asyncio.run(body())
+
+
+def test_a_failed_operator_restart_hands_over_to_the_automatic_ones():
+    async def body():
+        core, engines, _ = make_core(n=2, restart_attempts=2)
+        await core.start()
+        restart = engines[1].restart
+
+        async def fails_once():
+            engines[1].restart = restart
+            raise RuntimeError("server exited with code 1")
+        engines[1].restart = fails_once
+        with pytest.raises(RuntimeError, match="exited"):
+            await core.restart_engine(1)
+        await core.settle()
+        assert engines[1].restarts == 1 and core.live() == [0, 1]
+        check_invariants(core, engines)
+    asyncio.run(body())
+
+
+def test_aliases_follow_version_numbers_and_leave_refused_versions():
+    async def body():
+        core, engines, _ = make_core(n=1, catalog={"x@1000": 8, "x@500": 8, "y@2": 8})
+        assert core.resolve("x") == "x@1000"  # not the directory scan's order (x@500 last)
+        await core.start()
+        for e in engines.values():
+            e.refuse["x@2000"] = "injected refusal"
+        await core.register("x@2000", 8)
+        assert "x@2000" in core.invalid and core.resolve("x") == "x@1000"
+    asyncio.run(body())

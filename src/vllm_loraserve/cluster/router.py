@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Collection, Mapping
@@ -125,13 +126,23 @@ class RouterMetrics:
                                    "engine before any token was sent.", registry=r)
 
 
+def _version_order(name: str) -> tuple:
+    """`name@version` by name, then version with its digit runs as numbers."""
+    alias, _, version = name.partition("@")
+    return alias, [(0, int(t), "") if t.isdigit() else (1, 0, t)
+                   for t in re.findall(r"\d+|\D+", version)]
+
+
 class RouterCore:
     def __init__(self, engines: Mapping[int, EngineHandle], catalog: Mapping[str, int],
                  base_model: str, profile: Profile, config: RouterConfig) -> None:
         self.engines = dict(engines)
         self.catalog: dict[str, int] = {}  # adapter -> rank, the adapters being served
         self.invalid: dict[str, str] = {}  # adapter -> why no engine can serve it
-        for a, rank in catalog.items():  # `base@1` in the source must not take over `base`
+        # In version order, as if registered oldest first (`x@500` before `x@1000`):
+        # an alias names the last registered version left.
+        for a, rank in sorted(catalog.items(), key=lambda item: _version_order(item[0])):
+            # `base@1` in the source must not take over `base`
             try:
                 check_name(a, reserved={base_model})
                 self.catalog[a] = rank
@@ -260,12 +271,13 @@ class RouterCore:
             await asyncio.wait([self._unloading[key]])
         if engine in self.holders[adapter]:
             return
-        if key not in self._ensuring:
-            self._ensuring[key] = asyncio.create_task(self._fetch_and_load(adapter, engine))
-        try:
-            await self._ensuring[key]
-        finally:
-            self._ensuring.pop(key, None)
+        task = self._ensuring.get(key)
+        if task is None:
+            task = self._ensuring[key] = asyncio.create_task(self._fetch_and_load(adapter, engine))
+            task.add_done_callback(lambda t: (self._ensuring.pop(key, None),
+                                              t.cancelled() or t.exception()))
+        # Shared by a placement round and requests: a client that leaves must not cancel it.
+        await asyncio.shield(task)
 
     async def _fetch_and_load(self, adapter: str, engine: int) -> None:
         handle = self.engines[engine]
@@ -296,6 +308,7 @@ class RouterCore:
         if adapter in self.catalog:
             logger.error("adapter %s cannot be served: %s", adapter, reason)
             self.catalog.pop(adapter)
+            self._repoint_alias(adapter)
             self.invalid[adapter] = reason
 
     async def _drain_and_unload(self, adapter: str, engine: int) -> None:
@@ -420,7 +433,8 @@ class RouterCore:
     def resolve(self, model: str) -> str:
         """The adapter a request's `model` names: itself, or for the alias
         `name` of published versions `name@version`, the newest registered
-        one (an adapter registered as plain `name` keeps its name)."""
+        one (at start-up, the highest version), never a refused one (an
+        adapter registered as plain `name` keeps its name)."""
         return model if model in self.catalog else self.aliases.get(model, model)
 
     def choose(self, model: str, exclude: Collection[int] = ()) -> int | None:
@@ -429,6 +443,10 @@ class RouterCore:
         if model not in self.catalog:  # the base model: the least loaded engine
             live = [e for e in self.live() if e not in skip]
             return min(live, key=lambda e: (self.inflight[e], e)) if live else None
+        # Routed and holding it now: a route may outlive a copy (a restarted
+        # engine holds nothing; a placement whose loads all failed keeps the old
+        # route), and then `acquire` fetches it instead.
+        skip |= set(self.engines) - self.holders.get(model, set())
         holders = [e for e in self.routing.engines(model) if e not in skip]
         if self.toppings is not None and holders:
             views = {e: EngineView(running=self.inflight[e],
@@ -456,6 +474,9 @@ class RouterCore:
             return None
         except Exception as e:
             logger.error("could not fetch adapter %s onto engine %s: %s", model, target, e)
+            return None
+        if model not in self.catalog:  # unregistered (or rejected) during the fetch
+            self._spawn(self._drain_and_unload(model, target))
             return None
         # Between two awaits nothing else runs: the entry is read and written at once.
         kept = [(e, p) for e, p in self.assignment.get(model, [])
@@ -507,6 +528,8 @@ class RouterCore:
             return info
         finally:
             self._restarting.discard(engine)
+            if engine not in self.alive and self.config.restart_attempts:
+                self._spawn(self._restart(engine))  # it failed: the automatic restarts go on
 
     def suspect(self, engine: int) -> None:
         """A request could not reach `engine`: that counts as a failed check (so
@@ -547,15 +570,19 @@ class RouterCore:
     async def unregister(self, adapter: str) -> None:
         async with self._placement_lock:
             self.catalog.pop(adapter, None)
-            alias = alias_of(adapter)
-            if self.aliases.get(alias) == adapter:  # to the newest version left, or gone
-                left = [a for a in self.catalog if a != alias and alias_of(a) == alias]
-                if left:
-                    self.aliases[alias] = left[-1]
-                else:
-                    del self.aliases[alias]
+            self._repoint_alias(adapter)
             # its pairs drain and unload like any pair that left the placement
             await self._apply({a: v for a, v in self.assignment.items() if a != adapter})
+
+    def _repoint_alias(self, gone: str) -> None:
+        """`gone` left the catalogue: its alias names the newest version left, or goes."""
+        alias = alias_of(gone)
+        if self.aliases.get(alias) == gone:
+            left = [a for a in self.catalog if a != alias and alias_of(a) == alias]
+            if left:
+                self.aliases[alias] = left[-1]
+            else:
+                del self.aliases[alias]
 
     def status(self) -> dict:
         return {

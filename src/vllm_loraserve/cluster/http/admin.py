@@ -139,6 +139,18 @@ async def register(request: Request, state: State) -> JSONResponse:
         return error(409, str(e), "ConflictError")
     except ValueError as e:
         return error(400, str(e), "BadRequestError")
+    if name in state.registering:
+        return error(409, f"a registration of `{name}` is under way", "ConflictError")
+    state.registering.add(name)
+    try:
+        return await _register(state, name, path)
+    finally:
+        state.registering.discard(name)
+
+
+async def _register(state: RouterState, name: str, path: str) -> JSONResponse:
+    """Check, copy and place a name no other registration holds."""
+    core = state.core
     try:
         real = resolve_adapter_under_roots(path, state.adapter_roots)
     except PathOutsideRoots as e:

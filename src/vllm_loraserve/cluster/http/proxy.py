@@ -96,10 +96,13 @@ def _transport_error(engine: int, e: httpx.HTTPError) -> JSONResponse:
 
 
 def _usage_tokens(payload: object) -> int:
+    """Prompt plus completion tokens of an answer's usage; 0 for what is not
+    a count (a lease is released with this: it must not raise)."""
     u = payload.get("usage") if isinstance(payload, dict) else None
     if not isinstance(u, dict):
         return 0
-    return int(u.get("prompt_tokens", 0)) + int(u.get("completion_tokens", 0))
+    counts = (u.get("prompt_tokens", 0), u.get("completion_tokens", 0))
+    return sum(n for n in counts if isinstance(n, int) and not isinstance(n, bool) and n > 0)
 
 
 @routes.get("/health")

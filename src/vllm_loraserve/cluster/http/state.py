@@ -8,7 +8,7 @@ closes over anything and each module of routes can be read alone.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import httpx
@@ -33,6 +33,9 @@ class RouterState:
     admin_token: str | None  # every /admin route needs it as a bearer token
     adapter_roots: Collection[str]  # the directories POST /admin/adapters may read from
     model_info: ModelLoRAInfo | None = None  # what engines accept, once one told
+    # Names whose POST /admin/adapters is under way (checked, copied, placed):
+    # a second one would copy its files over the first's.
+    registering: set[str] = field(default_factory=set)
 
 
 def state_of(request: Request) -> RouterState:
