@@ -107,39 +107,45 @@ class AdapterPages:
         lora_id = lora_request.lora_int_id
         if self.replaced_in_use(lora_id):
             return False
-        self.block_pool.touch(hits)  # out of the free queue while pages are taken
-        try:
-            return self._acquire(request_id, lora_request)
-        finally:
-            self.block_pool.free_blocks(hits)
-
-    def _acquire(self, request_id: str, lora_request: Any) -> bool:
-        lora_id = lora_request.lora_int_id
         r = self.resident.get(lora_id)
         if r is not None and r.stale and r.refs == 0:
             self._evict(lora_id)
             r = None
-        if r is None:
-            rank, need = self.demand(lora_request)
-            free = self.block_pool.get_num_free_blocks()
-            slots_short = not self._free_slots
-            if free + self.evictable_pages() < need or (slots_short and not self._idle):
-                return False
-            while self.block_pool.get_num_free_blocks() < need or not self._free_slots:
-                self.evict_lru()
-            r = Resident(lora_request, self._free_slots.pop(), rank,
-                         self.block_pool.get_new_blocks(need),
-                         stale=lora_id in self._removed)
-            self.resident[lora_id] = r
-            self._step.loads.append(PageLoad(r.slot, lora_request, rank,
-                                             tuple(b.block_id for b in r.blocks)))
-            self.stats.misses += 1
-        else:
+        if r is not None:
             self.stats.hits += 1
+        else:
+            # Only taking pages can reach the hits: out of the free queue meanwhile.
+            self.block_pool.touch(hits)
+            try:
+                r = self._load(lora_request)
+            finally:
+                self.block_pool.free_blocks(hits)
+            if r is None:
+                return False
         r.refs += 1
         self._idle.pop(lora_id, None)
         self._holders[request_id] = lora_id
         return True
+
+    def _load(self, lora_request: Any) -> Resident | None:
+        """Take pages and a slot for the adapter, evicting idle adapters as
+        needed; None, with nothing changed, when they cannot be had."""
+        lora_id = lora_request.lora_int_id
+        rank, need = self.demand(lora_request)
+        free = self.block_pool.get_num_free_blocks()
+        slots_short = not self._free_slots
+        if free + self.evictable_pages() < need or (slots_short and not self._idle):
+            return None
+        while self.block_pool.get_num_free_blocks() < need or not self._free_slots:
+            self.evict_lru()
+        r = Resident(lora_request, self._free_slots.pop(), rank,
+                     self.block_pool.get_new_blocks(need),
+                     stale=lora_id in self._removed)
+        self.resident[lora_id] = r
+        self._step.loads.append(PageLoad(r.slot, lora_request, rank,
+                                         tuple(b.block_id for b in r.blocks)))
+        self.stats.misses += 1
+        return r
 
     def load_ahead(self, lora_request: Any, reserve: int) -> bool:
         """Make a waiting request's adapter resident now, idle, from free
