@@ -44,8 +44,10 @@ _KINDS = {"lora_A": "A", "lora_B": "B", "lora_embedding_A": "A", "lora_embedding
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1,
                 "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
 # What the pools serve (and the values check reads): a header may declare the rest.
-WEIGHT_DTYPES = ("BF16", "F16", "F32")
-_TORCH_NAMES = {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32"}
+# Safetensors name -> torch dtype, by name: torch is imported only where tensors are read.
+_WEIGHT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+WEIGHT_DTYPES = tuple(_WEIGHT_DTYPES)
+_TORCH_NAMES = {f"torch.{t}": st for st, t in _WEIGHT_DTYPES.items()}
 # A PEFT config is a few KB; a safetensors header is bounded as the
 # safetensors library bounds it (MAX_HEADER_SIZE), so a length field or a
 # file of gigabytes costs no more than this much memory.
@@ -485,7 +487,7 @@ def read_weights(path: str, alloc: Any, max_value: float | None = None,
     memory's rate."""
     import torch
 
-    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    dtypes = {st: getattr(torch, t) for st, t in _WEIGHT_DTYPES.items()}
     spec = inspect_adapter(path)
     st_path = os.path.join(spec.path, SAFETENSORS_FILE)
     refs: dict[str, dict[str, RawTensor]] = {}
