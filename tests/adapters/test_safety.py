@@ -10,6 +10,7 @@ from vllm_loraserve.adapters.safety import (
     PathOutsideRoots,
     check_name,
     check_not_alias,
+    newest_version,
     resolve_adapter_under_roots,
     resolve_under_roots,
     shown_path,
@@ -52,6 +53,14 @@ def test_a_plain_name_may_not_be_the_alias_of_a_served_version():
     check_not_alias("x", "x")  # the plain adapter itself (a reload)
     with pytest.raises(ValueError, match="'x': it is the alias of the served version 'x@2'"):
         check_not_alias("x", "x@2")
+
+
+def test_an_alias_names_the_newest_version_of_its_line_only():
+    """The server and the router both repoint aliases with this rule."""
+    served = ["x@2", "x", "xy@3", "y@1", "x@1"]  # oldest first
+    assert newest_version("x", served) == "x@1"  # the last served, not the highest
+    assert newest_version("y", served) == "y@1"
+    assert newest_version("xy", ["x@1", "xy"]) is None  # the plain adapter is no version
 
 
 def test_paths_under_roots(tmp_path):

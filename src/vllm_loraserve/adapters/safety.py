@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 MAX_NAME_LENGTH = 200
 # Used with fullmatch: `$` alone would also accept a name ending in "\n".
@@ -72,6 +72,13 @@ def alias_of(name: str) -> str:
     """The name a published version `name@version` is served under as an
     alias (`name`); a plain name is its own."""
     return name.partition("@")[0]
+
+
+def newest_version(alias: str, served: Iterable[str]) -> str | None:
+    """The version the alias `alias` names (the alias rule above): the last
+    of its line's versions in `served`, oldest first; None if none is served."""
+    versions = [n for n in served if n != alias and alias_of(n) == alias]
+    return versions[-1] if versions else None
 
 
 def _inside(real: str, roots: Collection[str]) -> bool:

@@ -48,7 +48,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 
-from vllm_loraserve.adapters.safety import alias_of, check_name, check_not_alias
+from vllm_loraserve.adapters.safety import alias_of, check_name, check_not_alias, newest_version
 from vllm_loraserve.cluster import migration
 from vllm_loraserve.cluster.demand import DemandTracker
 from vllm_loraserve.cluster.engine import AdapterRejected
@@ -578,9 +578,9 @@ class RouterCore:
         """`gone` left the catalogue: its alias names the newest version left, or goes."""
         alias = alias_of(gone)
         if self.aliases.get(alias) == gone:
-            left = [a for a in self.catalog if a != alias and alias_of(a) == alias]
-            if left:
-                self.aliases[alias] = left[-1]
+            newest = newest_version(alias, self.catalog)  # the catalogue is oldest first
+            if newest is not None:
+                self.aliases[alias] = newest
             else:
                 del self.aliases[alias]
 

@@ -64,6 +64,7 @@ from vllm_loraserve.adapters.safety import (
     alias_of,
     check_name,
     check_not_alias,
+    newest_version,
     resolve_adapter_under_roots,
 )
 from vllm_loraserve.config import from_vllm_config
@@ -249,10 +250,10 @@ def _repoint_alias(models: Any, catalog: AdapterCatalog, unloaded: str) -> None:
         return  # a plain adapter of that name keeps it
     if alias != unloaded and (current is None or current.lora_name != unloaded):
         return  # the alias serves another version, or was removed on request
-    left = [r for n, r in models.lora_requests.items()
-            if n != alias and alias_of(n) == alias]
-    if left:
-        models.lora_requests[alias] = max(left, key=lambda r: r.lora_int_id)
+    by_load = sorted(models.lora_requests, key=lambda n: models.lora_requests[n].lora_int_id)
+    newest = newest_version(alias, by_load)
+    if newest is not None:
+        models.lora_requests[alias] = models.lora_requests[newest]
     else:
         models.lora_requests.pop(alias, None)
 
