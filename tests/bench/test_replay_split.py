@@ -3,8 +3,11 @@ into each adapter's first request and the later ones."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 
+import httpx
 import numpy as np
 import pytest
 
@@ -53,11 +56,6 @@ def test_stream_timings_against_a_stream_of_known_pace():
     GAP_S, then a usage chunk with no choices. TTFT must be at least FIRST_S
     and TPOT (last - first) / (tokens - 1): a client that divided by `tokens`
     would read 0.8 * GAP_S, one that counted the TTFT in would read 1.75 * GAP_S."""
-    import asyncio
-    import json
-
-    import httpx
-
     first_s, gap_s, tokens = 0.6, 0.2, 5
 
     async def body():
