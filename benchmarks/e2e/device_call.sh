@@ -26,7 +26,7 @@
 # An A/B (CODE_AB, or several POOL_CONFIGS sets) is refused at once where
 # SECONDS cannot hold all its runs (about 100 s each, 80 s more on a fresh machine).
 # GPU_TESTS: the pool tests gpu-tests runs N times (default tests/gpu/test_pool_gpu.py);
-# GPU_ONCE: tests gpu-tests runs once first (default tests/gpu/test_kernels_gpu.py).
+# GPU_ONCE: tests gpu-tests runs once first (default tests/gpu/test_kernels_gpu.py; skip: none).
 # LORASERVE_BUILD_OPS=1 builds the csrc/ op at the install (default 0: skipped),
 # and the install's time and log go to $OUT/install.log.
 #
@@ -131,9 +131,11 @@ case $what in
   gpu-tests)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 3
     export PYTHONPATH=$PWD/src:${PYTHONPATH:-}:/tmp/site
-    within python3 -m pytest -m gpu ${GPU_ONCE:-tests/gpu/test_kernels_gpu.py} -q -s \
-      -p no:cacheprovider > "$work/once.log" 2>&1
-    echo "${GPU_ONCE:-tests/gpu/test_kernels_gpu.py}: exit $?"; tail -1 "$work/once.log"
+    once=${GPU_ONCE:-tests/gpu/test_kernels_gpu.py}
+    if [[ $once != skip ]]; then
+      within python3 -m pytest -m gpu $once -q -s -p no:cacheprovider > "$work/once.log" 2>&1
+      echo "$once: exit $?"; tail -1 "$work/once.log"
+    fi
     for i in $(seq "$arg"); do
       mkdir -p "$work/run$i"
       LORASERVE_RESULTS_DIR=$work/run$i within python3 -m pytest -m gpu \
