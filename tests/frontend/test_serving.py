@@ -166,3 +166,23 @@ def test_a_runtime_path_the_os_cannot_take_is_a_400_naming_lora_path(tmp_path, c
     assert (r.error.code, r.error.param) == (400, "lora_path")
     assert r.error.message.startswith("LoRA adapter 'x' refused: invalid lora_path")
     assert r.error.message.endswith("embedded null byte")
+
+
+def test_an_adapter_directorys_versions_serve_their_alias_newest_first(tmp_path, caplog):
+    """`x@500` and `x@1000` in an adapter directory (listed `x@1000` first):
+    `x` serves `x@1000`, and ids follow the versions, so an unload of it
+    moves `x` to `x@500`; a plain `y` keeps its name beside `y@2`."""
+    root = tmp_path / "adapters"
+    for name in ("x@1000", "x@500", "y", "y@2"):
+        _adapter(root / name)
+    models = _models([root])
+    _start(models, caplog)
+
+    r = models.lora_requests
+    assert r["x"] is r["x@1000"]
+    assert r["x@500"].lora_int_id < r["x@1000"].lora_int_id
+    assert r["y"].lora_name == "y"
+    del r["x@1000"]
+    catalog_of(models).entries.pop("x@1000")
+    serving._repoint_alias(models, catalog_of(models), "x@1000")
+    assert r["x"] is r["x@500"]

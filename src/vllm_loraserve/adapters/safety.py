@@ -74,6 +74,15 @@ def alias_of(name: str) -> str:
     return name.partition("@")[0]
 
 
+def version_order(name: str) -> tuple:
+    """A sort key that puts a line's versions oldest first: `name@version` by
+    name, then version with its digit runs as numbers (`x@500` before
+    `x@1000`); the plain `name` before its versions."""
+    alias, _, version = name.partition("@")
+    return alias, [(0, int(t), "") if t.isdigit() else (1, 0, t)
+                   for t in re.findall(r"\d+|\D+", version)]
+
+
 def newest_version(alias: str, served: Iterable[str]) -> str | None:
     """The version the alias `alias` names (the alias rule above): the last
     of its line's versions in `served`, oldest first; None if none is served."""

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections import Counter
 from collections.abc import Collection, Mapping
@@ -48,7 +47,13 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 
-from vllm_loraserve.adapters.safety import alias_of, check_name, check_not_alias, newest_version
+from vllm_loraserve.adapters.safety import (
+    alias_of,
+    check_name,
+    check_not_alias,
+    newest_version,
+    version_order,
+)
 from vllm_loraserve.cluster import migration
 from vllm_loraserve.cluster.demand import DemandTracker
 from vllm_loraserve.cluster.engine import AdapterRejected
@@ -126,13 +131,6 @@ class RouterMetrics:
                                    "engine before any token was sent.", registry=r)
 
 
-def _version_order(name: str) -> tuple:
-    """`name@version` by name, then version with its digit runs as numbers."""
-    alias, _, version = name.partition("@")
-    return alias, [(0, int(t), "") if t.isdigit() else (1, 0, t)
-                   for t in re.findall(r"\d+|\D+", version)]
-
-
 class RouterCore:
     def __init__(self, engines: Mapping[int, EngineHandle], catalog: Mapping[str, int],
                  base_model: str, profile: Profile, config: RouterConfig) -> None:
@@ -141,7 +139,7 @@ class RouterCore:
         self.invalid: dict[str, str] = {}  # adapter -> why no engine can serve it
         # In version order, as if registered oldest first (`x@500` before `x@1000`):
         # an alias names the last registered version left.
-        for a, rank in sorted(catalog.items(), key=lambda item: _version_order(item[0])):
+        for a, rank in sorted(catalog.items(), key=lambda item: version_order(item[0])):
             # `base@1` in the source must not take over `base`
             try:
                 check_name(a, reserved={base_model})

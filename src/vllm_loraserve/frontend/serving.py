@@ -36,7 +36,9 @@ With the plugin active:
   forgets the name);
 - loading a versioned name `name@version` (vllm_loraserve.train publishes
   them) moves the alias `name` to it, unless `name` is an adapter of its own
-  (then the alias follows when that one is unloaded).
+  (then the alias follows when that one is unloaded). An adapter directory's
+  versions are loaded at start-up oldest first (`version_order`, as the
+  router orders its catalogue), so the alias names the newest.
   The alias is one more key of vLLM's `lora_requests` for the same
   LoRARequest, resolved once per request at admission
   (`_maybe_get_adapters`): a request in flight keeps the version it started
@@ -66,6 +68,7 @@ from vllm_loraserve.adapters.safety import (
     check_not_alias,
     newest_version,
     resolve_adapter_under_roots,
+    version_order,
 )
 from vllm_loraserve.config import from_vllm_config
 from vllm_loraserve.frontend import errors
@@ -233,11 +236,17 @@ async def _load(models: Any, catalog: AdapterCatalog, load_lora_adapter, request
         return _bad_adapter(name, reason)
     catalog.record(entry)
     catalog.bind(name, models.lora_requests[name].lora_int_id)
+    _point_alias(models, catalog, name)
+    return result
+
+
+def _point_alias(models: Any, catalog: AdapterCatalog, name: str) -> None:
+    """A version `name@v` just served becomes what its alias `name` serves,
+    unless a plain adapter `name` is served (the alias rule)."""
     alias = alias_of(name)
     if alias != name and alias not in catalog.entries:
         models.lora_requests[alias] = models.lora_requests[name]
         logger.info("LoRA alias '%s' now serves '%s'", alias, name)
-    return result
 
 
 def _repoint_alias(models: Any, catalog: AdapterCatalog, unloaded: str) -> None:
@@ -279,7 +288,9 @@ def _make_init_static_loras(init_static_loras):
                 logger.error("%s (other adapters keep serving)", result.error.message)
         reserved = _reserved_names(self)
         for root in cfg.adapter_dirs:
-            for name, path in scan_adapter_dir(root):
+            # Oldest version first, as if published in order: ids grow with
+            # versions, so each alias ends on its line's newest.
+            for name, path in sorted(scan_adapter_dir(root), key=lambda e: version_order(e[0])):
                 try:
                     check_name(name, reserved)
                 except ValueError as e:
@@ -302,6 +313,7 @@ def _make_init_static_loras(init_static_loras):
                 self.lora_requests[name] = LoRARequest(
                     lora_name=name, lora_int_id=lora_int_id, lora_path=entry.path)
                 catalog.bind(name, lora_int_id)
+                _point_alias(self, catalog, name)
         invalid = {n: e.error for n, e in catalog.entries.items() if e.error is not None}
         logger.info("vllm-loraserve catalogue: %d adapters ready, %d invalid",
                     len(catalog.entries) - len(invalid), len(invalid))
