@@ -60,12 +60,16 @@ class _Pages:
     """AdapterPages' load_ahead over a free-block count (the real one is
     tested in test_pages.py): what the scheduler asks of it, in order."""
 
-    def __init__(self, free: int, resident=()):
+    def __init__(self, free: int, resident=(), removed=()):
         self.free, self.resident, self.asked = free, set(resident), []
+        self._removed = set(removed)
+
+    def removed(self, lora_id):
+        return lora_id in self._removed
 
     def load_ahead(self, lr, reserve):
         self.asked.append(lr.lora_int_id)
-        if lr.lora_int_id in self.resident:
+        if lr.lora_int_id in self.resident or lr.lora_int_id in self._removed:
             return False
         if lr.lora_int_id == 9:
             raise AdapterError("malformed")
@@ -76,8 +80,8 @@ class _Pages:
         return True
 
 
-def load_ahead(waiting, free, host_ready, resident=(), failed_requests=()):
-    pages = _Pages(free, resident)
+def load_ahead(waiting, free, host_ready, resident=(), failed_requests=(), removed=()):
+    pages = _Pages(free, resident, removed)
     reqs = [SimpleNamespace(request_id=f"q{n}", **vars(request(i)))
             for n, i in enumerate(waiting)]
     s = SimpleNamespace(waiting=reqs, skipped_waiting=[], adapter_pages=pages,
@@ -101,6 +105,13 @@ def test_load_ahead_takes_host_ready_waiting_adapters_in_queue_order():
 def test_load_ahead_stops_at_the_first_adapter_without_room():
     pages = load_ahead(waiting=[1, 3, 4, 6], free=35, host_ready={1, 3, 4, 6})
     assert pages.asked == [1, 3, 4] and pages.resident == {1, 3}
+
+
+def test_a_removed_adapter_is_skipped_not_taken_for_a_lack_of_room():
+    # 1 was removed at runtime (its waiting request, admitted, loads it then):
+    # the adapters behind it still load ahead.
+    pages = load_ahead(waiting=[1, 3, 4], free=100, host_ready={1, 3, 4}, removed={1})
+    assert pages.resident == {3, 4} and 1 not in pages.asked
 
 
 def test_load_ahead_is_bounded_per_step(monkeypatch):

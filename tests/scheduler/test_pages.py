@@ -254,7 +254,9 @@ def test_a_replaced_adapter_in_use_takes_no_new_request():
     assert 2 not in ap.resident and not ap.replaced_in_use(2)
     assert ap.acquire("new", lr(2)) and [ld.slot for ld in ap.take_step().loads] == [0]
     # a removed one is different: requests admitted before its removal join it
+    assert not ap.removed(2)
     ap.forget(2, removed=True)
+    assert ap.removed(2) and not ap.load_ahead(lr(2), 0)
     assert not ap.replaced_in_use(2) and ap.acquire("late", lr(2))
     check_invariants(ap)
 

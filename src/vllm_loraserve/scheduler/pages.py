@@ -89,6 +89,11 @@ class AdapterPages:
     def evictable_pages(self, keep: int | None = None) -> int:
         return sum(len(self.resident[i].blocks) for i in self._idle if i != keep)
 
+    def removed(self, lora_id: int) -> bool:
+        """Removed at runtime (one of the last MAX_REMOVED_IDS): only an
+        admission loads it, never a load ahead."""
+        return lora_id in self._removed
+
     def replaced_in_use(self, lora_id: int) -> bool:
         """Its resident pages hold a version replaced since (an in-place
         reload) that requests still use: the new version loads once they end."""

@@ -263,8 +263,9 @@ class PoolSchedulerMixin:
                     return
                 if lr is None or lr.lora_int_id in seen or \
                         lr.lora_int_id not in self._host_ready or \
-                        request.request_id in self._adapter_failures:
-                    continue
+                        request.request_id in self._adapter_failures or \
+                        self.adapter_pages.removed(lr.lora_int_id):
+                    continue  # a removed one: only its admission loads it (pages.py)
                 seen.add(lr.lora_int_id)
                 try:
                     if self.adapter_pages.load_ahead(lr, reserve):
