@@ -1,9 +1,11 @@
 """The pool's host tier with a fake reader: LRU order within the arena,
-entries kept for waiting requests, fresh reads, failures, generations, and
-an evicted entry's memory held until the engine's copies from it are done."""
+entries kept for waiting requests, fresh reads, failures (sticky or
+transient), generations, and an evicted entry's memory held until the
+engine's copies from it are done."""
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import threading
@@ -13,8 +15,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from vllm_loraserve.adapters.peft import AdapterError, BadWeights
+from vllm_loraserve.paging.step import TRANSIENT_NOTE, PoolReport
 from vllm_loraserve.worker.arena import ALIGN, PinnedArena
-from vllm_loraserve.worker.host_tier import HostTier, StepOverflow
+from vllm_loraserve.worker.host_tier import HostTier, StepOverflow, is_transient
 
 
 @dataclass
@@ -513,3 +517,105 @@ def test_a_step_frees_its_own_memory_before_it_waits_for_a_read_in_the_backgroun
         gate.set()
     t.end_step()
     settle(t)
+
+
+def test_a_transient_read_failure_is_reported_once_then_read_again():
+    """An I/O error (EIO) fails the requests waiting for the read (one
+    report names it, as transient), not the adapter: the next hint reads
+    it again, and that read serves."""
+    t = tier(pages=2)
+    assert t.prefetch(Req(7, error=OSError(errno.EIO, "Input/output error")), ALIGN)
+    settle(t)
+    report = t.report()
+    assert report.transient == {7} and "OSError: [Errno 5] Input/output error" in \
+        report.failed[7] and report.failed[7].endswith(TRANSIENT_NOTE)
+    assert t.arena.used == 0 and 7 not in t
+    assert not t.report().failed and not t.failed_ids()
+    assert t.prefetch(Req(7), ALIGN)  # read again
+    settle(t)
+    assert t.report().host_ready == {7} and t.get(Req(7))[1] is True
+    t.end_step()
+    # The same on the engine thread: a step's own read.
+    with pytest.raises(MemoryError):
+        t.get(Req(8, error=MemoryError()))
+    assert t.report().transient == {8} and not t.report().failed
+    assert t.get(Req(8))[1] is False and 8 in t
+    t.end_step()
+    t.check()
+
+
+@pytest.mark.parametrize("error", [
+    BadWeights("tensor lora_B of m holds non-finite values (NaN or Inf)"),
+    AdapterError("adapter_config.json in x is not valid JSON"),
+    OSError(errno.ENOENT, "No such file or directory"),
+    OSError("disk gone"),  # no errno: nothing says a retry may succeed
+], ids=["nan", "malformed", "enoent", "no-errno"])
+def test_a_content_failure_stays_until_a_runtime_add(error):
+    t = tier(pages=2)
+    assert t.prefetch(Req(7, error=error), ALIGN)
+    settle(t)
+    for _ in range(2):
+        report = t.report()
+        assert 7 in report.failed and not report.transient
+        assert not report.failed[7].endswith(TRANSIENT_NOTE)
+    assert not t.prefetch(Req(7), ALIGN)
+    t.add(Req(7))
+    assert not t.report().failed and 7 in t
+
+
+def test_a_failed_page_load_is_transient_or_sticky_as_told():
+    t = tier(pages=2)
+    assert t.fail(3, "its pages could not be written: OutOfMemoryError", transient=True)
+    assert not t.fail(3, "again", transient=True)  # one failure until it is reported
+    report = t.report()
+    assert report.transient == {3} and report.failed[3].startswith("its pages could not be")
+    assert not t.report().failed
+    # A sticky failure after a transient one (before the report) is sticky.
+    t.fail(4, "out of memory", transient=True)
+    assert not t.fail(4, "rank 64 is above the limit")
+    for _ in range(2):
+        assert t.report().failed == {4: "rank 64 is above the limit"}
+    # A transient failure after a sticky one changes nothing.
+    t.fail(4, "out of memory", transient=True)
+    assert t.report() == PoolReport(frozenset(), {4: "rank 64 is above the limit"})
+
+
+def test_is_transient():
+    eio = OSError(errno.EIO, "Input/output error")
+    wrapped = AdapterError("adapter_model.safetensors in x is unreadable")
+    wrapped.__cause__ = eio
+    for error in (eio, wrapped, OSError(errno.EAGAIN, "again"), MemoryError(),
+                  torch.cuda.OutOfMemoryError("CUDA out of memory")):
+        assert is_transient(error), error
+    for error in (None, ValueError("rank 64 above the limit"), BadWeights("NaN"),
+                  OSError(errno.EACCES, "Permission denied"), OSError("no errno"),
+                  RuntimeError("a shape mismatch")):
+        assert not is_transient(error), error
+
+
+def test_an_io_error_inside_read_weights_is_transient(tmp_path, monkeypatch):
+    """adapters/peft.py wraps the OSError of its positional reads in an
+    AdapterError: its cause still tells a transient one."""
+    from vllm_loraserve.adapters import peft
+
+    w = {"model.layers.0.self_attn.q_proj": (torch.randn(4, 64), torch.randn(64, 4))}
+    peft.write_adapter(str(tmp_path / "a"), w, rank=4, alpha=8.0, base_model="x")
+    pread, calls = peft._pread_into, []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return pread(*args)
+
+    monkeypatch.setattr(peft, "_pread_into", flaky)
+    t = HostTier(PinnedArena(8 * ALIGN, 1, pinned=False),
+                 lambda req, alloc: peft.read_weights(req.path, alloc), threads=1)
+    req = FileReq(1, str(tmp_path / "a"))
+    with pytest.raises(AdapterError, match="unreadable"):
+        t.get(req)
+    report = t.report()
+    assert report.transient == {1} and "Input/output error" in report.failed[1]
+    assert t.get(req)[1] is False and 1 in t
+    t.end_step()
+    t.check()

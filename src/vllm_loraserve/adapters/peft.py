@@ -133,7 +133,7 @@ def _read_config(path: str) -> dict[str, Any]:
                 raise AdapterError(f"{CONFIG_FILE} in {path} is not a regular file")
             data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:  # a directory, a dangling symlink, no permission
-        raise AdapterError(f"{CONFIG_FILE} in {path} is unreadable: {e}") from None
+        raise AdapterError(f"{CONFIG_FILE} in {path} is unreadable: {e}") from e
     if len(data) > MAX_CONFIG_BYTES:
         raise AdapterError(f"{CONFIG_FILE} in {path} is larger than {MAX_CONFIG_BYTES} bytes")
     cfg = _parse_json(data, f"{CONFIG_FILE} in {path}")
@@ -204,7 +204,7 @@ def _tensor_shapes(path: str) -> tuple[dict[str, tuple[list[int], str]], int]:
                     s = f.get_slice(key)
                     shapes[key] = (list(s.get_shape()), s.get_dtype())
         except Exception as e:  # the library raises its own error types
-            raise AdapterError(f"{SAFETENSORS_FILE} in {path} is unreadable: {e}") from None
+            raise AdapterError(f"{SAFETENSORS_FILE} in {path} is unreadable: {e}") from e
         _check_dtypes(shapes, SAFETENSORS_FILE, path)
         size = sum(math.prod(shape) * _DTYPE_BYTES[dt] for shape, dt in shapes.values())
         return shapes, size
@@ -242,7 +242,7 @@ def _load_bin(path: str) -> dict[str, Any]:
                            mmap=True)
     except Exception as e:  # torch raises its own and pickle's error types
         raise AdapterError(f"the adapter weights in {path} are unreadable: {BIN_FILE}: "
-                           f"{e}") from None
+                           f"{e}") from e
     if not isinstance(state, dict) or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
         raise AdapterError(f"the adapter weights in {path} are unreadable: {BIN_FILE} does "
@@ -260,7 +260,7 @@ def _read_tensors(path: str) -> dict[str, Any]:
     try:
         return load_file(st_path)
     except Exception as e:  # the library raises its own error types
-        raise AdapterError(f"the adapter weights in {path} are unreadable: {e}") from None
+        raise AdapterError(f"the adapter weights in {path} are unreadable: {e}") from e
 
 
 def _groups(sizes: list[int], part_bytes: float) -> list[range]:
@@ -502,8 +502,8 @@ def read_weights(path: str, alloc: Any, max_value: float | None = None,
                 got = sum(_map_all(parts, lambda s: _pread_into(fd, view, start, *s), spans))
             finally:
                 os.close(fd)
-        except OSError as e:
-            raise AdapterError(f"{SAFETENSORS_FILE} in {spec.path} is unreadable: {e}") from None
+        except OSError as e:  # its cause tells a transient error (worker/host_tier.py)
+            raise AdapterError(f"{SAFETENSORS_FILE} in {spec.path} is unreadable: {e}") from e
         if got != size:
             raise AdapterError(f"the adapter weights in {spec.path} changed while being read")
         for key, (offset, shape, dt) in index.items():

@@ -10,7 +10,9 @@ step) says which host-tier entries waiting requests still need.
 
 The way back is `PoolReport`, on the step's `ModelRunnerOutput` under the
 same attribute: the worker's state (not deltas), so a report that never
-arrives (an empty step the engine short-cuts) loses nothing.
+arrives (an empty step the engine short-cuts) loses nothing; but a
+transient failure (`PoolReport.transient`) is named in the one report built
+after it (worker/hooks.py puts every report it builds on a step's output).
 
 Invariant: after applying every `PoolStep` in order, a worker's slot table
 equals the scheduler's resident set, and every adapter a scheduled request
@@ -30,6 +32,10 @@ REPORT_ATTR = "loraserve"
 # adapter's runtime remove may still need it (ids are never reused, so the
 # oldest are the least likely to come back).
 MAX_REMOVED_IDS = 4096
+# The end of a transient failure's reason (`PoolReport.transient`): its
+# requests' error says so, and the API server, which gets the reason alone
+# (a request's stop_reason), does not mark the adapter invalid for it.
+TRANSIENT_NOTE = " (a transient error: a retry loads the adapter again)"
 
 
 @dataclass(frozen=True)
@@ -82,4 +88,8 @@ class PoolReport:
     """A worker's host tier as the scheduler needs it for admission."""
 
     host_ready: frozenset[int]  # lora ids whose weights are in host memory
-    failed: dict[int, str]  # lora id -> why its weights could not be read
+    failed: dict[int, str]  # lora id -> why its weights could not be read or loaded
+    # The failed ids whose failure was transient (worker/host_tier.py
+    # `is_transient`): their waiting and running requests fail, and the
+    # next report no longer names them, so a later request loads them again.
+    transient: frozenset[int] = frozenset()

@@ -29,6 +29,11 @@ method is for the engine thread alone.
   failed with the reason, which `report` hands to the scheduler: weights
   the read refused (`BadWeights`: NaN/Inf, a scaling that overflows the
   serving dtype) say so, anything else says the files could not be read.
+  A failure is sticky (no read until a runtime add or remove) unless
+  `is_transient` says trying again may succeed (an I/O error, memory
+  pressure): such a failure is in one `report` only, which fails the
+  requests waiting for it, and the next request's hint reads it again.
+  The same holds for a failed page load (`fail`, from worker/paged_manager.py).
 - Reuse of an evicted extent: the engine thread may still be copying from
   an entry it took with `get` when a reader evicts it. Entries are marked
   with the epoch of their last `get`; `end_step` closes the epoch with a
@@ -46,6 +51,7 @@ holding one and of the evicted ones awaiting a fence, with no overlap.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -60,7 +66,7 @@ import torch
 
 from vllm_loraserve.adapters.peft import BadWeights, RawWeights
 from vllm_loraserve.paging.layout import AdapterPlacement
-from vllm_loraserve.paging.step import MAX_REMOVED_IDS, PoolReport
+from vllm_loraserve.paging.step import MAX_REMOVED_IDS, TRANSIENT_NOTE, PoolReport
 from vllm_loraserve.worker.arena import Extent, PinnedArena
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -125,6 +131,33 @@ class StepOverflow(Exception):
     copies from the entries it took, calls `end_step`, and reads again."""
 
 
+# A read that failed with one of these may well succeed if tried again: the
+# files are fine, the system was not. EIO: a disk or network filesystem
+# error; EAGAIN/EWOULDBLOCK, EINTR, EBUSY: a call to try again; ENOMEM,
+# ENFILE, EMFILE: memory or open files short for now; ETIMEDOUT, ESTALE: a
+# network filesystem's timeout or stale handle (a new read opens anew).
+# Others (ENOENT, EACCES, EISDIR, ...) say the files are not servable.
+_TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR,
+                               errno.EBUSY, errno.ENOMEM, errno.ENFILE, errno.EMFILE,
+                               errno.ETIMEDOUT, errno.ESTALE})
+
+
+def is_transient(error: BaseException | None) -> bool:
+    """Whether a failed read or page load may succeed if tried again, so its
+    adapter is not failed for good: an OSError of `_TRANSIENT_ERRNOS`, or
+    host or device memory that ran out (MemoryError, CUDA's
+    OutOfMemoryError: memory frees as other loads and requests end), here
+    or as the cause of the error raised (adapters/peft.py wraps OSErrors in
+    AdapterError). Anything else (a malformed file, NaN/Inf weights, wrong
+    shapes, a rank above the limit) fails again the same way: sticky."""
+    while error is not None:
+        if isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)) or \
+                isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS:
+            return True
+        error = error.__cause__
+    return False
+
+
 class AdapterTooLarge(Exception):
     """An adapter's file data exceeds the arena's chunk (no ValueError: the
     file readers turn those into "unreadable")."""
@@ -165,6 +198,7 @@ class HostTier(Generic[T]):
         self._generation: dict[int, int] = {}
         self._removed: OrderedDict[int, None] = OrderedDict()  # by `remove`, oldest first
         self._failed: dict[int, str] = {}
+        self._transient: set[int] = set()  # failed ids reported once, then read again
         # Epochs of the engine thread's uses (see the module docstring).
         self._epoch, self._touched = 0, False
         self._fences: deque[tuple[int, Fence | None]] = deque()  # closed, not known done
@@ -197,10 +231,16 @@ class HostTier(Generic[T]):
         """The adapters in the tier, or read since the last report even if
         evicted since (each finished read admits its requests at least once:
         no livelock when the tier is smaller than the reads under way), and
-        the failures."""
+        the failures: transient ones in this report only (worker/hooks.py
+        puts every report it builds on a step's output, so the scheduler
+        sees each once)."""
         with self._lock:
             ready, self._fresh = frozenset(self._entries) | self._fresh, set()
-            return PoolReport(ready, dict(self._failed))
+            report = PoolReport(ready, dict(self._failed), frozenset(self._transient))
+            for lora_id in self._transient:
+                del self._failed[lora_id]
+            self._transient.clear()
+            return report
 
     def set_keep(self, keep: Collection[int]) -> None:
         with self._lock:
@@ -290,13 +330,24 @@ class HostTier(Generic[T]):
                 if lora_id not in resident and lora_id not in self._keep | self._fresh:
                     self._drop(self._entries.pop(lora_id))
 
-    def fail(self, lora_id: int, reason: str) -> bool:
-        """Mark an adapter failed (its load failed after the read); whether
-        it is the first failure recorded for it."""
+    def fail(self, lora_id: int, reason: str, transient: bool = False) -> bool:
+        """Mark an adapter failed (its load failed after the read; `transient`:
+        `is_transient` of its error); whether no failure was recorded for it
+        (a transient one is forgotten once reported)."""
         with self._lock:
-            first = lora_id not in self._failed
-            self._failed.setdefault(lora_id, reason)
-            return first
+            return self._record_failure(lora_id, reason, transient)
+
+    def _record_failure(self, lora_id: int, reason: str, transient: bool) -> bool:
+        """(Under _lock.) The first failure's reason is kept, unless a sticky
+        one follows a transient one: the adapter is failed for good then."""
+        first = lora_id not in self._failed
+        if transient and first:
+            self._failed[lora_id] = reason + TRANSIENT_NOTE
+            self._transient.add(lora_id)
+        elif not transient and (first or lora_id in self._transient):
+            self._failed[lora_id] = reason
+            self._transient.discard(lora_id)
+        return first
 
     def wait_for_a_read(self, timeout: float) -> None:
         """Wait until a background read finishes, at most `timeout` seconds."""
@@ -318,6 +369,7 @@ class HostTier(Generic[T]):
         with self._lock:
             self._generation[lora_id] = self._generation.get(lora_id, 0) + 1
             self._failed.pop(lora_id, None)
+            self._transient.discard(lora_id)
             self._reading.pop(lora_id, None)
 
     def _read(self, request: Readable, background: bool, record_failure: bool,
@@ -347,15 +399,17 @@ class HostTier(Generic[T]):
             # Adapter files are input: whatever they raise fails this adapter only.
             reason = str(e) if isinstance(e, BadWeights) else \
                 f"its files could not be read: {type(e).__name__}: {e}"
+            transient = is_transient(e)
             with self._lock:
                 if extent is not None:
                     self._release(extent)
                 record = record_failure and self._generation.get(lora_id, 0) == generation
                 if record:
-                    self._failed[lora_id] = reason
+                    self._record_failure(lora_id, reason, transient)
             if record:
-                logger.error("vllm-loraserve: adapter %s (id %d) cannot be served: %s",
-                             request.lora_name, lora_id, reason)
+                logger.error("vllm-loraserve: adapter %s (id %d) cannot be served: %s%s",
+                             request.lora_name, lora_id, reason,
+                             TRANSIENT_NOTE if transient else "")
             raise
         with self._lock:
             self._held.discard(extent)
@@ -367,7 +421,10 @@ class HostTier(Generic[T]):
                     self._drop(old)
                 self._entries[lora_id] = entry
                 self._bytes += extent.size
-                self._failed.pop(lora_id, None)
+                if lora_id not in self._transient:
+                    # A transient failure is reported even so: a load that
+                    # failed may have run its requests without the adapter.
+                    self._failed.pop(lora_id, None)
                 self._fresh.add(lora_id)
                 if use:
                     self._use(lora_id)
