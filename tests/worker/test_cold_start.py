@@ -127,6 +127,7 @@ class Step:
     def __init__(self, adapters, mode, backend="torch", cold=("cold",), assist=None):
         self.adapters, self.names = adapters, cold
         self.failed: dict[int, str] = {}
+        self.errors: dict[int, BaseException | None] = {}  # what `fail` was given
         self.done: list[int] = []
         self.pools = []
         # The block pool on the reference kernels, the grouped one on `backend`.
@@ -158,8 +159,9 @@ class Step:
         self.cold.begin_step()
         self.cold.load(self.loads)
 
-    def _fail(self, load, reason):
+    def _fail(self, load, reason, error=None):
         self.failed[load.lora_request.lora_int_id] = reason
+        self.errors[load.lora_request.lora_int_id] = error
         self.grouped.evict(load.slot)
 
     def tokens(self, ids):
@@ -538,12 +540,16 @@ def test_cpu_worker_processes_compute_the_deltas_and_a_dead_one_hands_over(tmp_p
         chunks.close()
 
 
-def test_a_group_write_that_fails_fails_its_adapter_alone(adapters, monkeypatch):
+@pytest.mark.parametrize("error", [RuntimeError("injected"),
+                                   torch.cuda.OutOfMemoryError("injected")])
+def test_a_group_write_that_fails_fails_its_adapter_alone(adapters, monkeypatch, error):
+    """`fail` is given the error raised, which tells a transient one (out of
+    memory: worker/paged_manager.py reports it once)."""
     write = DevicePool.write_group
 
     def failing(self, slot, group, streams):
         if slot == 2 and group == 1:
-            raise RuntimeError("injected")
+            raise error
         write(self, slot, group, streams)
 
     monkeypatch.setattr(DevicePool, "write_group", failing)
@@ -555,6 +561,7 @@ def test_a_group_write_that_fails_fails_its_adapter_alone(adapters, monkeypatch)
         for yb, yg in step.layer(layer, x, y0):
             torch.testing.assert_close(yg[rows], yb[rows], rtol=1e-5, atol=1e-5)
     assert list(step.failed) == [10] and "injected" in step.failed[10]
+    assert step.errors[10] is error
     assert 10 not in step.grouped.slot_of and step.done == [3]
 
 

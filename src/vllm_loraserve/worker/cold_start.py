@@ -208,12 +208,13 @@ def _assist_failure(why: Exception | str) -> str:
 
 class ColdStart:
     """The pool's `LayerGate` for `pipelined` and `cpu-assist` loads.
-    `fail(load, reason)` fails one load (its requests, its slot);
+    `fail(load, reason, error=None)` fails one load (its requests, its
+    slot; `error`, the exception raised, tells a transient failure);
     `done(load, seconds)` is told when a load's last group was written."""
 
     def __init__(self, mode: str, pool: DevicePool, device: torch.device,
                  side: torch.cuda.Stream | None, pack: Pack,
-                 fail: Callable[[PageLoad, str], None],
+                 fail: Callable[..., None],
                  done: Callable[[PageLoad, float], None], assist: Delta | None) -> None:
         if mode not in MODES[1:]:
             raise ValueError(f"no layer-group loads in cold-start mode {mode!r}")
@@ -387,7 +388,7 @@ class ColdStart:
                 self.pool.begin_load(load.slot, load.lora_request.lora_int_id, entry.placement,
                                      load.page_ids)
             except Exception as e:
-                self._fail(load, f"its pages could not be written: {type(e).__name__}: {e}")
+                self._fail(load, f"its pages could not be written: {type(e).__name__}: {e}", e)
                 continue
             cold = _Cold(load, entry)
             if self.mode == "cpu-assist":
@@ -434,7 +435,7 @@ class ColdStart:
 
     def _failed(self, cold: _Cold, e: Exception) -> None:
         cold.failed, cold.data = True, None
-        self._fail(cold.load, f"its pages could not be written: {type(e).__name__}: {e}")
+        self._fail(cold.load, f"its pages could not be written: {type(e).__name__}: {e}", e)
 
     # -- per layer (the pool's LayerGate) ------------------------------------
     def set_tokens(self, token_slots: np.ndarray) -> None:

@@ -26,8 +26,11 @@ warm-up calls). Differences from vLLM:
   overflow the serving dtype, found by the read itself; its files changed or
   removed on disk after its checks, a module this model does not have, an
   error while packing or writing its pages) is marked failed with the
-  reason: its tokens run without LoRA in that one step, and the scheduler
-  fails its requests; the engine goes on.
+  reason: its tokens run without LoRA until the scheduler has heard (that
+  step, and one scheduled before the report), and the scheduler fails its
+  requests; the engine goes on. A transient error (host_tier.py
+  `is_transient`: an I/O error, host or device memory that ran out) fails
+  only the requests of that moment: the next request loads it again.
 - Embedding and lm_head adapters are not wrapped, so the API server's checks
   refuse adapters that target them (HTTP 400, naming the module).
 - `--loraserve-cold-start` (worker/cold_start.py): `block` loads a step's
@@ -61,13 +64,19 @@ from vllm_loraserve.config import LoraServeConfig
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.layout import pack_layers, warm_up_pack
 from vllm_loraserve.paging.model import max_file_bytes, model_layout, module_slice_names
-from vllm_loraserve.paging.step import PageLoad, PoolReport, PoolStep, Prefetch
+from vllm_loraserve.paging.step import TRANSIENT_NOTE, PageLoad, PoolReport, PoolStep, Prefetch
 from vllm_loraserve.worker.arena import PinnedArena
 from vllm_loraserve.worker.assist import CpuAssist
 from vllm_loraserve.worker.cold_start import ColdStart, layer_groups, resolve_mode
 from vllm_loraserve.worker.cpu_lora.pool import CpuPoolConfig, CpuWorkerPool
 from vllm_loraserve.worker.cpu_lora.shm import SharedChunks
-from vllm_loraserve.worker.host_tier import Alloc, HostAdapter, HostTier, StepOverflow
+from vllm_loraserve.worker.host_tier import (
+    Alloc,
+    HostAdapter,
+    HostTier,
+    StepOverflow,
+    is_transient,
+)
 from vllm_loraserve.worker.pack_tables import TablePacker, file_table
 from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker.pool import DevicePool
@@ -170,6 +179,11 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self._waits: deque[float] = deque(maxlen=MAX_BUFFERED_EVENTS)
         self.pool: DevicePool  # made by create_lora_manager
         self._dummy_ids: set[int] = set()
+        # Adapters whose last load failed (under _lock: the report's thread
+        # adds too): steps scheduled before the scheduler heard still run
+        # their tokens, without LoRA. A transient failure is reported once,
+        # so the host tier's `failed_ids` no longer holds them then.
+        self._failed_loads: set[int] = set()
         self.page_loads = self.page_evictions = self.page_loads_ahead = 0
         # Loads a step issued before its other reads, its adapters outgrowing the host tier.
         self.host_overflow_loads = 0
@@ -396,6 +410,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         for load in step.loads:
             lr = load.lora_request
             hit = False
+            with self._lock:
+                self._failed_loads.discard(lr.lora_int_id)  # loaded anew (or failed anew)
             try:
                 # From the tier, a read under way, or disk now (`load_inplace`
                 # stays set on every later request of a reloaded adapter; only
@@ -418,7 +434,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                         f"{entry.placement.rank} in {entry.placement.num_pages} pages, "
                         f"planned rank {load.rank} in {len(load.page_ids)}")
             except Exception as e:  # a failed read recorded it already
-                self._fail_load(load, f"{type(e).__name__}: {e}")
+                self._fail_load(load, f"{type(e).__name__}: {e}", e)
                 continue
             finally:
                 self.prefetch_hits += hit
@@ -455,24 +471,31 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                 # Packing or writing one adapter's pages failed: its own
                 # requests fail (the scheduler reads `failed`), the step goes on.
                 self._fail_load(load, f"its pages could not be written: "
-                                      f"{type(e).__name__}: {e}")
+                                      f"{type(e).__name__}: {e}", e)
                 continue
             self.page_loads_ahead += load.ahead
             self._record(lr.lora_int_id, "gpu", time.perf_counter() - t0)
 
-    def _fail_load(self, load: PageLoad, reason: str) -> None:
-        """One adapter's load failed: the scheduler fails its requests (from
-        `failed`), its slot is cleared (its tokens run without LoRA this step)."""
-        self._report_failure(load, reason)
+    def _fail_load(self, load: PageLoad, reason: str, error: BaseException | None = None
+                   ) -> None:
+        """One adapter's load failed (with `error`, if one was raised): the
+        scheduler fails its requests (from `failed`), its slot is cleared
+        (its tokens run without LoRA this step)."""
+        self._report_failure(load, reason, error)
         self.pool.evict(load.slot)
 
-    def _report_failure(self, load: PageLoad, reason: str) -> None:
+    def _report_failure(self, load: PageLoad, reason: str,
+                        error: BaseException | None = None) -> None:
         """The report's part of `_fail_load` (thread-safe: the report may be
         built on vLLM's output thread)."""
         lr = load.lora_request
-        if self.host.fail(lr.lora_int_id, reason):
-            logger.error("vllm-loraserve: adapter %s (id %d) cannot be loaded: %s",
-                         lr.lora_name, lr.lora_int_id, reason)
+        transient = is_transient(error)
+        with self._lock:
+            self._failed_loads.add(lr.lora_int_id)
+        if self.host.fail(lr.lora_int_id, reason, transient):
+            logger.error("vllm-loraserve: adapter %s (id %d) cannot be loaded: %s%s",
+                         lr.lora_name, lr.lora_int_id, reason,
+                         TRANSIENT_NOTE if transient else "")
 
     def _cold_loaded(self, load: PageLoad, seconds: float) -> None:
         """A load by layer groups wrote its last group (`seconds`: host time
@@ -499,7 +522,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
     def set_active_adapters(self, requests: set[Any], mapping: Any | None) -> None:
         if mapping is None:
             return
-        failed = self.host.failed_ids() - self.pool.slot_of.keys()
+        with self._lock:
+            failed = (self.host.failed_ids() | self._failed_loads) - self.pool.slot_of.keys()
         self.pool.set_tokens(np.asarray(mapping.index_mapping), self._dummy_ids | failed)
 
     def add_dummy_lora(self, lora_request: Any, rank: int) -> bool:
