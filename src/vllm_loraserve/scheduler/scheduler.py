@@ -22,7 +22,10 @@ things:
   prefetch), and requests behind it whose adapters are ready go first.
 - **An adapter that cannot be served fails its own requests**, whether the
   check fails here or the worker cannot read its files later; the engine
-  keeps serving everyone else.
+  keeps serving everyone else. A worker's failure is sticky until the
+  adapter is removed or reloaded, unless the worker reports it transient
+  (an I/O error, memory that ran out): then the requests of that moment
+  fail, and a later request loads the adapter again.
 - **Workers hear of every page change** through `PoolStep` on the step's
   SchedulerOutput (paging/step.py).
 """
@@ -141,7 +144,8 @@ class PoolSchedulerMixin:
         self._adapter_failures: dict[str, str] = {}  # request id -> why
         # The workers' host tier, from their last PoolReport.
         self._host_ready: frozenset[int] = frozenset()
-        self._read_failures: dict[int, str] = {}  # lora id -> why (sticky until removed)
+        # lora id -> why (sticky until removed; transient ones are never here)
+        self._read_failures: dict[int, str] = {}
         self._adapter_waits = AdapterWaits()
         self._waits: list[float] = []  # adapter waits of this step's admissions
         # The scheduler reads max_loras only to cap distinct adapters per batch.
@@ -306,15 +310,23 @@ class PoolSchedulerMixin:
         if report is None:
             return
         self._host_ready = report.host_ready
-        new = report.failed.keys() - self._read_failures.keys()
+        # A transient failure is in one report only: new even if named before.
+        new = (report.failed.keys() - self._read_failures.keys()) | report.transient
         for lora_id in new:
             self.forget_adapter(lora_id)  # its pages go once its requests have failed
-        self._read_failures = report.failed
-        # Running requests of a newly failed adapter fail now; waiting ones
-        # (now or later) when the next schedule() sets them aside.
+        self._read_failures = {i: why for i, why in report.failed.items()
+                               if i not in report.transient}
+        # Running requests of a newly failed adapter fail now; waiting ones of
+        # a sticky failure (now or later) when the next schedule() sets them
+        # aside; of a transient one now (only those: later ones load it again).
         for request in self.running if new else ():
             if request.lora_request is not None and request.lora_request.lora_int_id in new:
                 self._fail_request(request, report.failed[request.lora_request.lora_int_id])
+        for queue in (self.waiting, self.skipped_waiting) if report.transient else ():
+            for request in queue:
+                lr = request.lora_request
+                if lr is not None and lr.lora_int_id in report.transient:
+                    self._fail_request(request, report.failed[lr.lora_int_id])
 
     def _fail_request(self, request: Any, reason: str) -> None:
         """Finish `request` with an error at this step's update; `reason`
