@@ -14,6 +14,7 @@ from vllm_loraserve.adapters.directory import MAX_LOGGED_INVALID
 from vllm_loraserve.adapters.peft import write_adapter
 from vllm_loraserve.frontend import serving
 from vllm_loraserve.frontend.serving import catalog_of
+from vllm_loraserve.paging.step import TRANSIENT_NOTE
 
 
 class _Counter:
@@ -115,6 +116,36 @@ def test_a_workers_refusal_reaches_the_client_unwrapped():
             "check the stack trace above for the root cause"):
         assert serving._worker_reason(message) == reason
     assert serving._worker_reason("something else") == "something else"
+
+
+def test_an_engine_failure_marks_the_adapter_invalid_unless_transient():
+    """The engine failed a request's adapter: its error names the reason,
+    and the catalogue marks the adapter invalid, unless the worker said the
+    failure was transient (an I/O error: the next request loads it again)."""
+    from vllm.exceptions import VLLMValidationError
+
+    class Catalog:
+        def __init__(self):
+            self.entries, self.rejected = {"a": SimpleNamespace(spec=object())}, []
+
+        def reject(self, name, reason):
+            self.rejected.append(reason)
+
+    catalog = Catalog()
+    serving._CATALOGS.add(catalog)
+    eio = f"its files could not be read: OSError: [Errno 5] Input/output error{TRANSIENT_NOTE}"
+    nan = "tensor lora_B of model.layers.0.self_attn.q_proj holds non-finite values (NaN or Inf)"
+    try:
+        for reason, rejected in ((eio, []), (nan, [nan])):
+            errors = []
+            serving.note_engine_failure(SimpleNamespace(lora_name="a",
+                                                        queue=SimpleNamespace(put=errors.append)),
+                                        reason)
+            assert catalog.rejected == rejected
+            assert isinstance(errors[0], VLLMValidationError) and \
+                errors[0].args == (f"LoRA adapter 'a' cannot be served: {reason}",)
+    finally:
+        serving._CATALOGS.discard(catalog)
 
 
 def test_a_load_a_dead_engine_fails_is_a_503_that_marks_no_adapter(tmp_path, caplog):

@@ -31,7 +31,8 @@ With the plugin active:
 - an adapter the engine could not serve after all (weights its worker
   refused as it read them, or files changed on disk after the checks) is
   marked invalid with the engine's reason when its first request fails, and
-  that request's error names it (`note_engine_failure`);
+  that request's error names it (`note_engine_failure`); a transient
+  failure (an I/O error, memory that ran out) fails its requests alone;
 - `/v1/unload_lora_adapter` also frees the worker's copy (vLLM alone only
   forgets the name);
 - loading a versioned name `name@version` (vllm_loraserve.train publishes
@@ -73,6 +74,7 @@ from vllm_loraserve.adapters.safety import (
 from vllm_loraserve.config import from_vllm_config
 from vllm_loraserve.frontend import errors
 from vllm_loraserve.frontend.catalog import AdapterCatalog, AdapterEntry, WeightsUnchecked
+from vllm_loraserve.paging.step import TRANSIENT_NOTE
 
 logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
 
@@ -129,14 +131,19 @@ def _make_catalog(models: Any) -> AdapterCatalog:
 def note_engine_failure(req_state: Any, reason: str) -> None:
     """The engine failed this request (an output processor `RequestState`)
     because its adapter cannot be served. Mark the adapter invalid here too,
-    so its next requests get HTTP 400 at once, and end the request with that
-    error: a client error passes through vLLM's `generate` to the serving
-    layer, streamed or not, where a finish reason "error" before the first
-    token would be skipped (streamed) or say only "Internal server error"."""
+    so its next requests get HTTP 400 at once, unless the failure was
+    transient (an I/O error, memory that ran out: paging/step.py
+    `TRANSIENT_NOTE`; the next request loads it again), and end the request
+    with that error: a client error passes through vLLM's `generate` to the
+    serving layer, streamed or not, where a finish reason "error" before the
+    first token would be skipped (streamed) or say only "Internal server
+    error" (as would a server error, even a 503: `generate` lets only client
+    errors through, so a transient failure is a 400 too, its message says
+    to retry)."""
     from vllm.exceptions import VLLMValidationError
 
     name = req_state.lora_name
-    for catalog in _CATALOGS:
+    for catalog in () if reason.endswith(TRANSIENT_NOTE) else _CATALOGS:
         entry = catalog.entries.get(name)
         if entry is not None and entry.spec is not None:
             logger.error("%s (other adapters keep serving)", _bad_adapter_message(name, reason))
