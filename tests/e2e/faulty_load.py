@@ -8,12 +8,16 @@ spec: as vllm_generate.py, plus "faults": {adapter name: stage}, stage one of
 worker reads it: after start-up and the scheduler's checks), "pack" (packing
 its pages on the device), "write" (writing its pages, after its slot's table
 row was written; with --loraserve-cold-start pipelined or cpu-assist, its
-second layer group's, after the first group's pages). With "assist_victim"
+second layer group's, after the first group's pages), or "read-eio-once" /
+"pack-oom-once": its first read raises OSError(EIO) / its first packing
+CUDA's OutOfMemoryError (transient: a later request loads it again; spec
+"again": true runs the requests twice, see vllm_generate.py). With "assist_victim"
 (a file path), the first adapter without another fault whose CPU deltas are
 enqueued (cpu-assist, sync-free) has every job of them failed by the
 workers, and its name is written to that file.
 """
 
+import errno
 import json
 import os
 import shutil
@@ -70,18 +74,31 @@ def main() -> None:
         if faults.get(name) == stage:
             raise InjectedFault(f"injected at {stage} for {name}")
 
+    import torch
+
+    once = {"read-eio-once": lambda name: OSError(errno.EIO, f"injected EIO for {name}"),
+            "pack-oom-once": lambda name: torch.cuda.OutOfMemoryError(f"injected OOM for {name}")}
+    failed_once = set()
+
+    def failing_once(stage, name):
+        if faults.get(name) == stage and name not in failed_once:
+            failed_once.add(name)
+            raise once[stage](name)
+
     read_weights = paged_manager.read_weights
     device_streams = paged_manager.PagedWorkerLoRAManager._device_streams
     load, write_group = DevicePool.load, DevicePool.write_group
 
     def read(path, alloc, *args, **kwargs):
         failing("read", paths.get(path))
+        failing_once("read-eio-once", paths.get(path))
         if faults.get(paths.get(path)) == "deleted":
             shutil.rmtree(path)
         return read_weights(path, alloc, *args, **kwargs)
 
     def pack(self, entry, *args):
         failing("pack", entry.name)
+        failing_once("pack-oom-once", entry.name)
         return device_streams(self, entry, *args)
 
     def write(self, slot, lora_id, placement, page_ids, streams):

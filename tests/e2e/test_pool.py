@@ -14,6 +14,7 @@ from transformers import AutoConfig
 from vllm_loraserve.adapters.peft import inspect_adapter
 from vllm_loraserve.demo.assets import ALL_TARGETS, make_adapter, module_dims
 from vllm_loraserve.paging.model import model_layout
+from vllm_loraserve.paging.step import TRANSIENT_NOTE
 
 from .bad_adapters import layer_7_dims
 from .reference import HFReference, Request, mismatches, mixed_requests, run_vllm
@@ -180,6 +181,29 @@ def test_a_load_that_fails_at_any_stage_fails_its_adapter_alone(case, tiny_asset
         assert (out["token_ids"], out["finish_reason"]) == ([], "error"), r.lora_name
     check(model, ok, run["outputs"][len(bad):])
     assert len({r.lora_name for r in ok if r.lora_name}) >= 5
+
+
+def test_a_transient_load_failure_fails_its_requests_once(case, tmp_path):
+    """An I/O error (EIO) reading one adapter and CUDA's out-of-memory error
+    packing another fail the requests waiting for those loads, with a reason
+    that says so, and nothing else: the same requests run again afterwards
+    load both afresh, and every output equals HF + PEFT."""
+    model, reqs = case
+    named = list(dict.fromkeys(r.lora_name for r in reqs if r.lora_name))
+    faults = {named[0]: "read-eio-once", named[1]: "pack-oom-once"}
+    engine = {"max_loras": 1, "max_lora_rank": 128, "max_num_seqs": 32,
+              "additional_config": {"loraserve": {}}}
+    run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS, script="faulty_load.py",
+                   faults=faults, again=True, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    failed = [(r, out) for r, out in zip(reqs, run["outputs"], strict=True)
+              if r.lora_name in faults]
+    assert failed
+    for r, out in failed:
+        assert (out["token_ids"], out["finish_reason"]) == ([], "error"), r.lora_name
+        assert "injected" in out["stop_reason"] and out["stop_reason"].endswith(TRANSIENT_NOTE)
+    check(model, [r for r in reqs if r.lora_name not in faults],
+          [o for r, o in zip(reqs, run["outputs"], strict=True) if r.lora_name not in faults])
+    check(model, reqs, run["again"])
 
 
 def test_a_slow_adapter_read_does_not_hold_up_the_batch(case, tmp_path):

@@ -11,7 +11,8 @@ the output also holds the workers' LoRA module table (loraserve_lora_modules)
 and residency report (loraserve_residency). spec "warm_round": true runs the
 same requests once before, under other adapter names (outputs dropped;
 "warm_residency": the residency report after it), each round's adapters read
-into host memory before it.
+into host memory before it. spec "again": true runs the requests once more
+after, with the same adapters ("again": their outputs, as "outputs").
 """
 
 import json
@@ -64,16 +65,18 @@ def main() -> None:
     # The pool's counters add up over both rounds: the warm round's alone.
     warm_residency = (llm.collective_rpc("loraserve_residency")[0]
                       if plugin and spec.get("warm_round") else None)
-    outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-    result = {"outputs": [], "lora_modules": None, "residency": None,
+    def generate():
+        return [{"token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
+                 "stop_reason": c.stop_reason,
+                 "logprobs": [lp[t].logprob
+                              for lp, t in zip(c.logprobs or [], c.token_ids, strict=True)]}
+                for o in llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+                for c in o.outputs[:1]]
+
+    result = {"outputs": generate(), "lora_modules": None, "residency": None,
               "warm_residency": warm_residency}
-    for o in outs:
-        c = o.outputs[0]
-        result["outputs"].append({
-            "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-            "logprobs": [lp[t].logprob
-                         for lp, t in zip(c.logprobs or [], c.token_ids, strict=True)]})
+    if spec.get("again"):
+        result["again"] = generate()
     if plugin:
         result["lora_modules"] = llm.collective_rpc("loraserve_lora_modules")[0]
         result["residency"] = llm.collective_rpc("loraserve_residency")[0]
