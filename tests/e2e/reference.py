@@ -35,6 +35,12 @@ def mixed_requests(model: str, adapters: list[tuple[str, str]], seed: int, max_l
     return reqs
 
 
+# The engine core in the script's process (run_vllm's env): every request is
+# queued before the first step, and the run skips ~40 s of process start-up
+# on a 2-core machine. Servers and examples/ keep vLLM's processes.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def run_vllm(tmp_path, model: str, requests: list[Request], engine: dict, max_tokens: int,
              env: dict | None = None, dtype: str = "float32", script: str = "vllm_generate.py",
              **spec):

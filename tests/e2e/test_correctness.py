@@ -23,7 +23,7 @@ from vllm_loraserve.adapters.peft import (
 )
 from vllm_loraserve.demo.assets import ALL_TARGETS, make_adapter, module_dims
 
-from .reference import HFReference, Request, mismatches, run_vllm
+from .reference import IN_PROCESS, HFReference, Request, mismatches, run_vllm
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 8
@@ -72,7 +72,8 @@ def test_vllm_slots_match_hf_peft_on_every_rank_with_base_requests(llama_case, t
     """`--loraserve-pool vllm`: vLLM's own slots, with the plugin's CPU fix."""
     model, reqs, engine = llama_case
     run = run_vllm(tmp_path, model, reqs,
-                   {**engine, "additional_config": {"loraserve": {"pool": "vllm"}}}, MAX_TOKENS)
+                   {**engine, "additional_config": {"loraserve": {"pool": "vllm"}}}, MAX_TOKENS,
+                   env=IN_PROCESS)
     problems = _check_all(HFReference(model), reqs, run["outputs"])
     assert not problems, "\n".join(problems)
     _check_module_table(model, run["lora_modules"], ALL_TARGETS + ("lm_head", "embed_tokens"))
@@ -85,7 +86,7 @@ def test_stock_vllm_cpu_applies_an_adapter_to_base_requests(llama_case, tmp_path
     """The same batch without the plugin: adapter requests are right, base
     requests are not. If vLLM fixes vllm#48421 this fails: drop worker/cpu_ops.py."""
     model, reqs, engine = llama_case
-    outs = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS)["outputs"]
+    outs = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS, env=IN_PROCESS)["outputs"]
     ref = HFReference(model)
     assert not _check_all(ref, reqs, outs, only=lambda r: r.lora_name is not None)
     assert _check_all(ref, reqs, outs, only=lambda r: r.lora_name is None)
@@ -116,7 +117,7 @@ def test_other_architecture_rslora_partial_targets(qwen_assets, tmp_path_factory
     rng.shuffle(reqs)
     engine = {"max_loras": 3, "max_lora_rank": 32, "max_cpu_loras": 3, "max_num_seqs": 16,
               "additional_config": {"loraserve": {}}}
-    run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS)
+    run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS, env=IN_PROCESS)
     problems = _check_all(HFReference(model), reqs, run["outputs"])
     assert not problems, "\n".join(problems)
     assert run["residency"]["pool"]["peak_batch_adapters"] == 3  # the paged pool served them

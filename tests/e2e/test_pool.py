@@ -17,7 +17,7 @@ from vllm_loraserve.paging.model import model_layout
 from vllm_loraserve.paging.step import TRANSIENT_NOTE
 
 from .bad_adapters import layer_7_dims
-from .reference import HFReference, Request, mismatches, mixed_requests, run_vllm
+from .reference import IN_PROCESS, HFReference, Request, mismatches, mixed_requests, run_vllm
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 6
@@ -62,7 +62,7 @@ def test_ten_adapters_in_one_batch_with_one_vllm_slot(case, tmp_path):
     # Engine core in-process: every request is queued before the first step,
     # so the first step holds all ten adapters.
     run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS,
-                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                   env=IN_PROCESS)
     check(model, reqs, run["outputs"])
     res = run["residency"]
     pool = res["pool"]
@@ -92,7 +92,7 @@ def test_page_pressure_evicts_idle_adapters_and_outputs_stay_exact(case, tmp_pat
     engine = {"max_loras": 1, "max_lora_rank": 128, "max_cpu_loras": 1, "max_num_seqs": 32,
               "num_gpu_blocks_override": 60,
               "additional_config": {"loraserve": {"host_cache_bytes": 4 << 20}}}
-    run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS)
+    run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS, env=IN_PROCESS)
     check(model, reqs, run["outputs"])
     pool = run["residency"]["pool"]
     assert pool["total_pages"] == 60 and pool["adapter_pages"] <= 59
@@ -115,7 +115,7 @@ def test_a_step_whose_adapters_overflow_the_host_tier_stays_exact(case, tmp_path
               "additional_config": {"loraserve": {"host_cache_bytes": 4 << 20,
                                                   "cold_start": mode}}}
     run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS, script="cold_reads.py",
-                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                   env=IN_PROCESS)
     check(model, reqs, run["outputs"])
     pool = run["residency"]["pool"]
     assert pool["host_budget"] == 8 << 20 and pool["peak_batch_adapters"] == 10
@@ -132,7 +132,7 @@ def test_adapters_of_waiting_requests_are_loaded_ahead_into_free_pages(case, tmp
     engine = {"max_loras": 1, "max_lora_rank": 128, "max_num_seqs": 2,
               "additional_config": {"loraserve": {}}}
     run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS,
-                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                   env=IN_PROCESS)
     check(model, reqs, run["outputs"])
     pool = run["residency"]["pool"]
     assert pool["page_loads"] == 10 and pool["page_evictions"] == 0
@@ -150,7 +150,7 @@ def test_an_adapter_the_pool_cannot_serve_fails_alone(case, tiny_assets, tmp_pat
     mixed = [bad, *reqs[:6]]
     engine = {"max_loras": 1, "max_lora_rank": 128, "max_num_seqs": 32,
               "additional_config": {"loraserve": {}}}
-    run = run_vllm(tmp_path, model, mixed, engine, MAX_TOKENS)
+    run = run_vllm(tmp_path, model, mixed, engine, MAX_TOKENS, env=IN_PROCESS)
     assert run["outputs"][0]["token_ids"] == [] and run["outputs"][0]["finish_reason"] == "error"
     check(model, mixed[1:], run["outputs"][1:])
 
@@ -176,7 +176,7 @@ def test_a_load_that_fails_at_any_stage_fails_its_adapter_alone(case, tiny_asset
     engine = {"max_loras": 1, "max_lora_rank": 128, "max_num_seqs": 32,
               "additional_config": {"loraserve": {}}}
     run = run_vllm(tmp_path, model, mixed, engine, MAX_TOKENS, script="faulty_load.py",
-                   faults=faults, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                   faults=faults, env=IN_PROCESS)
     for r, out in zip(bad, run["outputs"], strict=False):
         assert (out["token_ids"], out["finish_reason"]) == ([], "error"), r.lora_name
     check(model, ok, run["outputs"][len(bad):])
@@ -194,7 +194,7 @@ def test_a_transient_load_failure_fails_its_requests_once(case, tmp_path):
     engine = {"max_loras": 1, "max_lora_rank": 128, "max_num_seqs": 32,
               "additional_config": {"loraserve": {}}}
     run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS, script="faulty_load.py",
-                   faults=faults, again=True, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                   faults=faults, again=True, env=IN_PROCESS)
     failed = [(r, out) for r, out in zip(reqs, run["outputs"], strict=True)
               if r.lora_name in faults]
     assert failed
@@ -216,7 +216,7 @@ def test_a_slow_adapter_read_does_not_hold_up_the_batch(case, tmp_path):
     engine = {"max_loras": 1, "max_lora_rank": 128, "max_num_seqs": 32,
               "additional_config": {"loraserve": {}}}
     run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS, script="slow_read.py", slow=slow,
-                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                   env=IN_PROCESS)
     check(model, reqs, run["outputs"])
     finished, slow_ids = run["finished"], set(run["slow_ids"])
     assert len(slow_ids) == 2 and set(finished[-2:]) == slow_ids

@@ -12,6 +12,8 @@ import pytest
 
 from vllm_loraserve.perf.model import FEATURES, Profile
 
+from .reference import IN_PROCESS
+
 pytestmark = pytest.mark.e2e
 
 
@@ -24,7 +26,8 @@ def test_profile_cpu_engine(tiny_assets, tmp_path):
         [sys.executable, "-m", "vllm_loraserve.cli.main", "profile", "--model",
          os.path.join(tiny_assets, "model"), "--adapter-dir", str(adapters), "--out", str(out),
          "--batch-sizes", "1", "4", "--prompt-lens", "16", "256", "--repeats", "1", "--plugin"],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, **IN_PROCESS})
     assert proc.returncode == 0, proc.stderr[-4000:]
     profile = Profile.load(out)
     assert set(profile.step.coef) == set(FEATURES)
