@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from .reference import HFReference, Request, mismatches, mixed_requests, run_vllm
+from .reference import IN_PROCESS, HFReference, Request, mismatches, mixed_requests, run_vllm
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 5
@@ -39,7 +39,7 @@ def case(tiny_assets):
 def block(case, tmp_path_factory):
     model, reqs = case
     return run_vllm(tmp_path_factory.mktemp("block"), model, reqs, engine("block"), MAX_TOKENS,
-                    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                    env=IN_PROCESS)
 
 
 def differences(want: dict, got: dict, atol: float = 1e-4) -> list[str]:
@@ -58,7 +58,7 @@ def differences(want: dict, got: dict, atol: float = 1e-4) -> list[str]:
 def test_cold_start_mode_equals_block_and_hf_peft(case, block, mode, tmp_path):
     model, reqs = case
     run = run_vllm(tmp_path, model, reqs, engine(mode), MAX_TOKENS,
-                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                   env=IN_PROCESS)
     problems = [f"{r.lora_name or 'base'}: {p}"
                 for r, want, got in zip(reqs, block["outputs"], run["outputs"], strict=True)
                 for p in differences(want, got)]
@@ -99,7 +99,7 @@ def test_a_cold_load_that_fails_fails_its_adapter_alone(case, block, mode, tmp_p
         mixed.append(r)
     victim_file = tmp_path / "assist_victim"
     run = run_vllm(tmp_path, model, mixed, engine(mode), MAX_TOKENS, script="faulty_load.py",
-                   faults=faults, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                   faults=faults, env=IN_PROCESS,
                    assist_victim=str(victim_file) if mode == "cpu-assist" else None)
     if mode == "cpu-assist":
         assisted = victim_file.read_text()
