@@ -11,7 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_loraserve.kernels.batch import JOB_ROWS, TokenBatchBuffers
+import torch
+
+from vllm_loraserve.kernels.batch import JOB_ROWS, SlotTable, TokenBatchBuffers
+from vllm_loraserve.paging.layout import LayerLayout, SliceSpec
 
 MAX_TOKENS, MAX_SLOTS, MAX_RANK = 600, 24, 128
 
@@ -64,3 +67,15 @@ def test_a_full_graph_batch_fits_both_block_heights():
         buffers = TokenBatchBuffers(MAX_TOKENS, MAX_SLOTS, block_m, MAX_RANK)
         batch = buffers.fill(slots, np.full(MAX_SLOTS, MAX_RANK))
         assert sum(int(b[2]) for b in batch.blocks[:batch.num_blocks]) == num_tokens
+
+
+@pytest.mark.parametrize("max_pages", [1, 5, 6, 8])
+def test_every_slot_row_of_page_ids_starts_16_bytes_apart(max_pages):
+    """A page load hands its slot's row of page ids to the page writer, and
+    Triton compiles a kernel variant per pointer alignment: rows of an odd
+    width made the first load into such a slot compile one while serving
+    (vLLM's JIT monitor caught `_write_pages_kernel` at pool-1000)."""
+    layout = LayerLayout((SliceSpec("q_proj", 64, 64),), page_size=256, align=16)
+    table = SlotTable.empty(layout, max_slots=7, max_pages=max_pages, max_rank=16)
+    assert table.pages.shape[1] >= max_pages
+    assert all(table.pages[slot].data_ptr() % 16 == 0 for slot in range(7))

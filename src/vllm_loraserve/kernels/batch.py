@@ -62,6 +62,9 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+PAGE_ROW_ALIGN = 4  # int32 page ids: 16 bytes (`SlotTable.empty`)
+
+
 @dataclass(frozen=True)
 class SlotTable:
     rank: torch.Tensor  # [S] int32; 0 for an empty slot
@@ -102,8 +105,13 @@ class SlotTable:
     def empty(cls, layout: LayerLayout, max_slots: int, max_pages: int, max_rank: int,
               device: torch.device | str = "cpu") -> SlotTable:
         """A persistent table of `max_slots` empty slots, filled in place by
-        `write` and `clear` (CUDA graphs keep its addresses)."""
+        `write` and `clear` (CUDA graphs keep its addresses). Rows hold a
+        multiple of PAGE_ROW_ALIGN page ids, so every row starts 16 bytes
+        apart: a page load passes its row to the page writer, and Triton
+        compiles a kernel variant per pointer alignment (an odd row would
+        compile one while serving)."""
         cuda = torch.device(device).type == "cuda"
+        max_pages = _round_up(max_pages, PAGE_ROW_ALIGN)
         return cls(torch.zeros(max_slots, dtype=torch.int32, device=device),
                    torch.full((max_slots, layout.num_segments), -1, dtype=torch.int32,
                               device=device),
