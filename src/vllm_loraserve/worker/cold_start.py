@@ -86,6 +86,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -106,6 +107,13 @@ MODES = ("block", "pipelined", "cpu-assist")
 WARM_ROWS = 16  # rows of the cpu-assist warm-up
 # Packs a group's layers from the file's bytes (on the device): [layers, n] streams.
 Pack = Callable[[HostAdapter, range, torch.Tensor], torch.Tensor]
+
+
+class Fail(Protocol):
+    """Fails one load's adapter (`error`: the exception raised, if any)."""
+
+    def __call__(self, load: PageLoad, reason: str, error: BaseException | None = None
+                 ) -> None: ...
 
 
 def layer_groups(num_layers: int, size: int) -> tuple[range, ...]:
@@ -214,7 +222,7 @@ class ColdStart:
 
     def __init__(self, mode: str, pool: DevicePool, device: torch.device,
                  side: torch.cuda.Stream | None, pack: Pack,
-                 fail: Callable[..., None],
+                 fail: Fail,
                  done: Callable[[PageLoad, float], None], assist: Delta | None) -> None:
         if mode not in MODES[1:]:
             raise ValueError(f"no layer-group loads in cold-start mode {mode!r}")
