@@ -32,6 +32,6 @@ cluster-demo: setup
 test: setup
 	$(BIN)/ruff check src tests examples benchmarks
 	$(BIN)/lint-imports  # no import cycle between packages ([tool.importlinter])
-	@# Two workers, each a test file at a time (a module's server starts once), each on
-	@# a core of its own (tests/conftest.py): 13 min instead of 33 on 2 cores.
+	@# Two workers, each a test file at a time (a module's server starts once), their
+	@# vLLM engines on a core each (tests/conftest.py).
 	$(BIN)/python -m pytest -n 2 --dist loadfile

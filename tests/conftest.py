@@ -19,22 +19,23 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-def _pin_xdist_worker() -> None:
-    """Under pytest-xdist (`make test` runs `-n 2`) each worker keeps to one
-    core of its own, and so do the vLLM engines it starts: CPU vLLM binds
-    its threads to core 0 by default, so two workers' engines would share
-    one core and leave the other idle. Outside xdist nothing changes."""
+def _split_xdist_engines() -> None:
+    """Under pytest-xdist (`make test` runs `-n 2`) the vLLM engines each
+    worker starts bind a core of their own (unless a test binds them): CPU
+    vLLM binds its threads to core 0 by default, so two workers' engines
+    would share one core and leave the other idle. The workers themselves
+    keep every core (tests of the CPU LoRA workers place those on several),
+    with one torch thread each. Outside xdist nothing changes."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
     if worker is None:
         return
     cores = sorted(os.sched_getaffinity(0))
     core = cores[int(worker.removeprefix("gw")) % len(cores)]
-    os.sched_setaffinity(0, {core})
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(core))
     torch.set_num_threads(1)
 
 
-_pin_xdist_worker()
+_split_xdist_engines()
 
 
 @pytest.fixture(scope="session")

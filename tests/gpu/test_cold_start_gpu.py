@@ -102,7 +102,7 @@ class GpuStep:
         self.side = torch.cuda.Stream(DEV)
         self.failed = {}
         self.cold = ColdStart(mode, self.grouped, DEV, self.side, pack,
-                              lambda load, why: self.failed.setdefault(load.slot, why),
+                              lambda load, why, error=None: self.failed.setdefault(load.slot, why),
                               lambda load, s: None, assist or CpuAssist())
         self.cold.warm_up(MODULES)
         self.grouped.gate = self.cold

@@ -11,8 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import torch
-
 from vllm_loraserve.kernels.batch import JOB_ROWS, SlotTable, TokenBatchBuffers
 from vllm_loraserve.paging.layout import LayerLayout, SliceSpec
 
@@ -72,9 +70,10 @@ def test_a_full_graph_batch_fits_both_block_heights():
 @pytest.mark.parametrize("max_pages", [1, 5, 6, 8])
 def test_every_slot_row_of_page_ids_starts_16_bytes_apart(max_pages):
     """A page load hands its slot's row of page ids to the page writer, and
-    Triton compiles a kernel variant per pointer alignment: rows of an odd
-    width made the first load into such a slot compile one while serving
-    (vLLM's JIT monitor caught `_write_pages_kernel` at pool-1000)."""
+    Triton compiles a kernel variant per pointer alignment: rows whose width
+    was not a multiple of 4 ids made the first load into a slot whose row
+    started off 16 bytes compile one while serving (vLLM's JIT monitor caught
+    `_write_pages_kernel` at pool-1000, 77 ids a row)."""
     layout = LayerLayout((SliceSpec("q_proj", 64, 64),), page_size=256, align=16)
     table = SlotTable.empty(layout, max_slots=7, max_pages=max_pages, max_rank=16)
     assert table.pages.shape[1] >= max_pages
