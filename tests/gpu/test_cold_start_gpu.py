@@ -33,6 +33,7 @@ from vllm_loraserve.worker.cold_start import ColdStart, layer_groups
 from vllm_loraserve.worker.pool import DevicePool
 
 from ..e2e.reference import (
+    IN_PROCESS,
     Bf16Tolerance,
     HFReference,
     adapter_effect,
@@ -308,7 +309,7 @@ def _problems(ref, reqs, outs) -> tuple[list[str], list[dict]]:
 
 def test_cold_start_modes_match_hf_peft_with_cuda_graphs(fixed_dir, tmp_path):
     model, reqs = build_case(fixed_dir("cold-start-gpu"))
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = IN_PROCESS
     runs = {}
     for mode in ("block", "pipelined", "cpu-assist"):
         (tmp_path / mode).mkdir()

@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from ..e2e.reference import (
+    IN_PROCESS,
     Bf16Tolerance,
     HFReference,
     Request,
@@ -85,7 +86,7 @@ def _pool_against_reference(tmp_path, model: str, reqs: list[Request], engine: d
     """One pool engine (in-process core) on `reqs`, each request checked
     against HF + PEFT; the report (written to `file`) and the problems."""
     pool = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS,
-                    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, dtype="bfloat16")
+                    env=IN_PROCESS, dtype="bfloat16")
     ref = HFReference(model, device="cuda")
     problems: list[str] = []
     report = {"tolerance": dataclasses.asdict(TOL), "pool": pool["residency"]["pool"],
@@ -102,7 +103,7 @@ def test_pool_bf16_matches_hf_peft_and_stock_vllm(case, tmp_path):
     for d in ("pool", "stock"):
         (tmp_path / d).mkdir()
     # Engine core in-process: all requests are queued before the first step.
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = IN_PROCESS
     pool = run_vllm(tmp_path / "pool", model, reqs, {**engine, **POOL}, MAX_TOKENS, env=env,
                     dtype="bfloat16")
     stock = run_vllm(tmp_path / "stock", model, reqs, {**engine, "max_loras": 8}, MAX_TOKENS,
