@@ -16,13 +16,24 @@ threads share its process, and its GIL); `--free-gb` leaves the device
 nearly full, as an engine's KV cache does (the caching allocator's retries
 and frees are reported); `--switch-us` sets the Python thread switch interval,
 how long a thread that wants the GIL waits before asking its holder for it.
+`--paths` picks the load paths timed, as the engine takes them:
+- `torch`: the file's bytes copied, packed with torch (`pack_layers`), the
+  pages written (`--loraserve-pack torch`);
+- `table`: the same with the one-launch pack (worker/pack_tables.py, the
+  default on CUDA);
+- `pipelined`: worker/cold_start.py's `ColdStart.load` with the one-launch
+  pack, every layer group's copy, pack and page write queued on a side
+  stream (`--loraserve-cold-start pipelined`, the default on CUDA); its
+  `pack_ms` and `write_ms` are the groups' own, `total_ms` adds the slot
+  table's row and the lane's start.
 
-    python benchmarks/e2e/load_host_time.py --out load_host_time.json
+    python benchmarks/e2e/load_host_time.py --paths torch,table,pipelined --out load_host_time.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -42,14 +53,19 @@ import torch  # noqa: E402
 from vllm_loraserve.adapters.peft import read_weights, short_name, write_adapter  # noqa: E402
 from vllm_loraserve.paging.layout import pack_layers  # noqa: E402
 from vllm_loraserve.paging.model import decoder_slices, max_file_bytes, model_layout  # noqa: E402
+from vllm_loraserve.paging.step import PageLoad  # noqa: E402
 from vllm_loraserve.worker.arena import PinnedArena  # noqa: E402
+from vllm_loraserve.worker.cold_start import ColdStart, layer_groups  # noqa: E402
 from vllm_loraserve.worker.host_tier import HostAdapter  # noqa: E402
+from vllm_loraserve.worker.pack_tables import TablePacker, file_table  # noqa: E402
 from vllm_loraserve.worker.pool import DevicePool  # noqa: E402
 
 LLAMA3 = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
                          intermediate_size=14336, num_hidden_layers=32)
 DEFAULT_SWITCH = sys.getswitchinterval()
 PAGE = 32768  # the e2e engine's page: 16 tokens x 8 KV heads x 128 x 2 (K and V)
+GROUP_LAYERS = 4  # the engine's --loraserve-cold-start-group-layers default
+PATHS = ("torch", "table", "pipelined")
 MODULE_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
              "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
@@ -70,8 +86,9 @@ def host_entry(layout, arena: PinnedArena, path: str) -> HostAdapter:
     spec, raw = read_weights(path, lambda n: arena.view(arena.alloc(n), n),
                              torch.finfo(torch.bfloat16).max)
     where = {name: (int(name.split(".")[2]), short_name(name)) for name in raw.modules}
-    return HostAdapter(path, layout.place(spec.rank, spec.target_modules), spec.scaling, raw,
-                       where)
+    placement = layout.place(spec.rank, spec.target_modules)
+    return HostAdapter(path, placement, spec.scaling, raw, where,
+                       file_table(layout, LLAMA3.num_hidden_layers, placement, raw, where))
 
 
 def main() -> None:
@@ -89,9 +106,13 @@ def main() -> None:
     ap.add_argument("--free-gb", type=float, default=0,
                     help="leave only this much device memory free, as an engine whose KV "
                          "cache took the rest (0: no filling)")
+    ap.add_argument("--paths", default="torch", help=f"load paths timed, of {PATHS}")
     ap.add_argument("--root", default="/dev/shm/load-host-time")
     ap.add_argument("--out", default="load_host_time.json")
     a = ap.parse_args()
+    paths = a.paths.split(",")
+    if not set(paths) <= set(PATHS):
+        ap.error(f"--paths takes {PATHS}")
     dev = torch.device("cuda")
     layout = model_layout(LLAMA3, PAGE)
     ranks = [int(r) for r in a.ranks.split(",")]
@@ -103,6 +124,24 @@ def main() -> None:
     pool = DevicePool(layout.slices, LLAMA3.num_hidden_layers, max(ranks), 8192, 64, 3,
                       "triton", dev)
     pool.bind(kv)
+    packer = TablePacker(layout, LLAMA3.num_hidden_layers, torch.bfloat16, dev)
+    packer.warm_up()
+    groups = layer_groups(LLAMA3.num_hidden_layers, GROUP_LAYERS)
+    grouped = DevicePool(layout.slices, LLAMA3.num_hidden_layers, max(ranks), 8192, 64, 3,
+                         "triton", dev, layer_groups=groups)
+    grouped.bind([torch.zeros_like(t) for t in kv])
+
+    def pack_table(entry: HostAdapter, layers: range, data: torch.Tensor) -> torch.Tensor:
+        streams = packer.pack(entry, data, layers)
+        if streams is None:  # the engine packs with torch then (`_device_streams`)
+            raise RuntimeError("a pack table's staging row was busy: rerun with fewer ranks")
+        return streams
+
+    failed: list[str] = []
+    cold = ColdStart("pipelined", grouped, dev, torch.cuda.Stream(dev), pack_table,
+                     lambda load, why, error=None: failed.append(why), lambda load, s: None,
+                     None)
+    cold.warm_up()
     # cycles per ms of torch.cuda._sleep on this GPU
     t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t[0].record()
@@ -111,23 +150,39 @@ def main() -> None:
     torch.cuda.synchronize()
     cycles_per_ms = 100_000_000 / t[0].elapsed_time(t[1])
 
-    def load(entry: HostAdapter, slot: int) -> dict:
+    def load(entry: HostAdapter, slot: int, path: str = "torch") -> dict:
+        ids = tuple(range(1 + slot * pages_needed, 1 + slot * pages_needed
+                          + entry.placement.num_pages))
+        if path == "pipelined":
+            cold.begin_step()  # the last load's groups are in place (the main stream waits)
+            pack0, write0 = cold.pack_s, cold.write_s
+            request = SimpleNamespace(lora_int_id=slot + 1, lora_name=f"slot{slot}")
+            t0 = time.perf_counter()
+            cold.load([(PageLoad(slot, request, entry.placement.rank, ids), entry)])
+            t1 = time.perf_counter()
+            if failed:
+                raise RuntimeError(f"a pipelined load failed: {failed[0]}")
+            return {"copy_ms": 0.0, "pack_ms": (cold.pack_s - pack0) * 1e3,
+                    "write_ms": (cold.write_s - write0) * 1e3, "total_ms": (t1 - t0) * 1e3}
         t0 = time.perf_counter()
         data = entry.weights.data.to(dev, non_blocking=True)
         t1 = time.perf_counter()
-        streams = pack_layers(layout, entry.placement,
-                              entry.layer_weights(range(LLAMA3.num_hidden_layers), data),
-                              entry.scaling, torch.bfloat16)
+        if path == "table":
+            streams = pack_table(entry, range(LLAMA3.num_hidden_layers), data)
+        else:
+            streams = pack_layers(layout, entry.placement,
+                                  entry.layer_weights(range(LLAMA3.num_hidden_layers), data),
+                                  entry.scaling, torch.bfloat16)
         t2 = time.perf_counter()
-        ids = tuple(range(1 + slot * pages_needed, 1 + slot * pages_needed
-                          + entry.placement.num_pages))
         pool.load(slot, slot + 1, entry.placement, ids, streams)
         t3 = time.perf_counter()
         return {"copy_ms": (t1 - t0) * 1e3, "pack_ms": (t2 - t1) * 1e3,
                 "write_ms": (t3 - t2) * 1e3, "total_ms": (t3 - t0) * 1e3}
 
     for e in entries.values():  # every kernel launched once (CUDA's lazy loading)
-        load(e, 0)
+        for path in paths:
+            load(e, 0, path)
+    cold.begin_step()
     torch.cuda.synchronize()
     filler = []  # held to the end
     if a.free_gb:
@@ -162,21 +217,23 @@ def main() -> None:
         time.sleep(0.5 if readers else 0)
         for r, e in entries.items():
             for rep in range(a.reps):
-                torch.cuda.synchronize()
-                if busy:
-                    torch.cuda._sleep(int(busy * cycles_per_ms))
-                torch.cuda.set_sync_debug_mode("warn")
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    row = load(e, 1 + rep % 3)
-                torch.cuda.set_sync_debug_mode("default")
-                for w in caught:
-                    key = f"{os.path.basename(w.filename)}:{w.lineno}: {w.message}"[:240]
-                    syncs[key] = syncs.get(key, 0) + 1
-                row.update(rank=r, busy_ms=busy, readers=readers, switch_us=switch_us, rep=rep,
-                           bytes=e.weights.data.numel())
-                results.append(row)
-                print(json.dumps(row))
+                for path in paths:
+                    cold.begin_step()
+                    torch.cuda.synchronize()
+                    if busy:
+                        torch.cuda._sleep(int(busy * cycles_per_ms))
+                    torch.cuda.set_sync_debug_mode("warn")
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        row = load(e, 1 + rep % 3, path)
+                    torch.cuda.set_sync_debug_mode("default")
+                    for w in caught:
+                        key = f"{path}: {os.path.basename(w.filename)}:{w.lineno}: {w.message}"
+                        syncs[key[:240]] = syncs.get(key[:240], 0) + 1
+                    row.update(path=path, rank=r, busy_ms=busy, readers=readers,
+                               switch_us=switch_us, rep=rep, bytes=e.weights.data.numel())
+                    results.append(row)
+                    print(json.dumps(row))
         stop.set()
         for t in threads:
             t.join()
@@ -203,13 +260,13 @@ def main() -> None:
            "loads": results}
     json.dump(out, open(a.out, "w"), indent=1)
     print(json.dumps({k: v for k, v in out.items() if k not in ("loads", "first_sync")}))
-    for busy, readers, switch_us in conditions:
-        rows = [r for r in results
-                if (r["busy_ms"], r["readers"], r["switch_us"]) == (busy, readers, switch_us)]
-        print(f"busy {busy:5.0f} ms, {readers} readers, switch {switch_us or 'default'} us: "
-              "host ms a load, median: " + ", ".join(
-            f"{k} {sorted(r[k] for r in rows)[len(rows) // 2]:.2f}"
-            for k in ("copy_ms", "pack_ms", "write_ms", "total_ms")))
+    for (busy, readers, switch_us), path in itertools.product(conditions, paths):
+        rows = [r for r in results if (r["busy_ms"], r["readers"], r["switch_us"], r["path"])
+                == (busy, readers, switch_us, path)]
+        print(f"{path}: busy {busy:5.0f} ms, {readers} readers, switch "
+              f"{switch_us or 'default'} us: host ms a load, median: " + ", ".join(
+                  f"{k} {sorted(r[k] for r in rows)[len(rows) // 2]:.2f}"
+                  for k in ("copy_ms", "pack_ms", "write_ms", "total_ms")))
 
 
 if __name__ == "__main__":
