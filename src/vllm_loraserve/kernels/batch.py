@@ -108,8 +108,8 @@ class SlotTable:
         `write` and `clear` (CUDA graphs keep its addresses). Rows hold a
         multiple of PAGE_ROW_ALIGN page ids, so every row starts 16 bytes
         apart: a page load passes its row to the page writer, and Triton
-        compiles a kernel variant per pointer alignment (an odd row would
-        compile one while serving)."""
+        compiles a kernel variant per pointer alignment (a row starting off
+        16 bytes would compile one while serving)."""
         cuda = torch.device(device).type == "cuda"
         max_pages = _round_up(max_pages, PAGE_ROW_ALIGN)
         return cls(torch.zeros(max_slots, dtype=torch.int32, device=device),
