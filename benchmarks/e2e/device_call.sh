@@ -15,6 +15,9 @@
 # POOL_CONFIGS (offline): plugin option sets separated by ';', each a --pool-config JSON,
 # e.g. POOL_CONFIGS='{};{"pack": "triton"}': the configs run once per set, in that order,
 # each set's results in $OUT/offline-abN.json (an A/B on one machine).
+# SET_CONFIGS (offline, with POOL_CONFIGS): the configs of each set instead of
+# ARG, separated by ';' as the sets are, e.g. SET_CONFIGS='none,pool-1000;pool-1000'
+# (`none` needs no second run: the plugin's options do not touch it).
 # cold-start keeps its results across calls on a warm machine, so calls of one
 # mode each add up to one ttft.json (each mode's server compiles its own graphs).
 # LORASERVE_COMMIT (the commit sent; the device has no .git) goes into results.json.
@@ -47,12 +50,15 @@ command -v nvidia-smi >/dev/null || { echo "not a GPU machine: run this through 
 # 45-60 s, the timed run 30-40 s); a fresh machine's first start compiles,
 # about 80 s more.
 if [[ $what == offline ]] && [[ -n ${CODE_AB:-} || ${POOL_CONFIGS:-} == *";"* ]]; then
-  IFS=',' read -ra configs <<< "$arg"
   IFS=';' read -ra sets <<< "${POOL_CONFIGS:-one}"
-  trees=1 compile=80
+  trees=1 compile=80 runs=0
   [[ -n ${CODE_AB:-} ]] && trees=2
   compgen -G "$HOME/.cache/vllm/torch_compile_cache/*" > /dev/null && compile=0
-  runs=$((${#configs[@]} * ${#sets[@]} * trees))
+  IFS=';' read -ra set_configs <<< "${SET_CONFIGS:-}"
+  for i in "${!sets[@]}"; do
+    IFS=',' read -ra configs <<< "${set_configs[$i]:-$arg}"
+    runs=$((runs + ${#configs[@]} * trees))
+  done
   need=$((runs * 100 + compile + 20 + $(date +%s) - start))
   if (( need > limit )); then
     echo "the A/B's $runs runs need about $need s; SECONDS is $limit: refused" >&2; exit 2
@@ -103,10 +109,11 @@ case $what in
     else  # an A/B of plugin options on one machine: the configs once per option set
       i=0
       IFS=';' read -ra sets <<< "$POOL_CONFIGS"
+      IFS=';' read -ra set_configs <<< "${SET_CONFIGS:-}"
       for pc in "${sets[@]}"; do
         i=$((i + 1))
-        within python3 benchmarks/e2e/bench_e2e.py --configs "$arg" --out "$work/ab$i" \
-          --timeout-s 240 ${BENCH_ARGS:-} --pool-config "$pc"
+        within python3 benchmarks/e2e/bench_e2e.py --configs "${set_configs[$((i - 1))]:-$arg}" \
+          --out "$work/ab$i" --timeout-s 240 ${BENCH_ARGS:-} --pool-config "$pc"
         cp "$work/ab$i/results.json" "$OUT/offline-ab$i.json"
       done
     fi ;;

@@ -12,7 +12,8 @@ tier's pinned arena, for adapters of the e2e shape. If a call waits for the
 GPU, its host time grows with `--busy-ms`. Under torch's sync debug mode, each
 synchronizing torch call is counted, and the first one's stack is kept.
 `--readers` runs host-tier reads beside the loads (the engine's reader
-threads share its process, and its GIL); `--free-gb` leaves the device
+threads share its process, and its GIL; `--read-in processes` reads in
+reader processes instead, as `--loraserve-read-in processes` does); `--free-gb` leaves the device
 nearly full, as an engine's KV cache does (the caching allocator's retries
 and frees are reported); `--switch-us` sets the Python thread switch interval,
 how long a thread that wants the GIL waits before asking its holder for it.
@@ -56,6 +57,8 @@ from vllm_loraserve.paging.model import decoder_slices, max_file_bytes, model_la
 from vllm_loraserve.paging.step import PageLoad  # noqa: E402
 from vllm_loraserve.worker.arena import PinnedArena  # noqa: E402
 from vllm_loraserve.worker.cold_start import ColdStart, layer_groups  # noqa: E402
+from vllm_loraserve.worker.cpu_lora.shm import SharedChunks  # noqa: E402
+from vllm_loraserve.worker.file_readers import ReaderProcesses  # noqa: E402
 from vllm_loraserve.worker.host_tier import HostAdapter  # noqa: E402
 from vllm_loraserve.worker.pack_tables import TablePacker, file_table  # noqa: E402
 from vllm_loraserve.worker.pool import DevicePool  # noqa: E402
@@ -100,6 +103,10 @@ def main() -> None:
                     help="host-tier reads running beside the loads (threads reading the "
                          "adapters in a loop, their reads split over as many part threads, "
                          "as the engine's host tier does)")
+    ap.add_argument("--read-in", default="threads",
+                    help="where the readers' reads run (--loraserve-read-in): threads of "
+                         "this process, processes (worker/file_readers.py), or both, "
+                         "comma-separated")
     ap.add_argument("--switch-us", default="0",
                     help="the process's Python thread switch interval (sys.setswitchinterval) "
                          "in us; 0: Python's default, 5 ms")
@@ -188,28 +195,35 @@ def main() -> None:
         free, _ = torch.cuda.mem_get_info()
         filler.append(torch.empty(max(0, free - int(a.free_gb * 2**30)), dtype=torch.uint8,
                                   device=dev))
-    paths = [make_adapter(a.root, r, 100 + r) for r in ranks]
+    files = [make_adapter(a.root, r, 100 + r) for r in ranks]  # the readers' own
     stop = threading.Event()
 
-    def reader(parts: ThreadPoolExecutor) -> None:
+    largest = max_file_bytes(LLAMA3, max(ranks))
+    readers_max = max(int(n) for n in a.readers.split(","))
+    # The readers' buffers: shared chunks, which reader processes map (--read-in).
+    shared = SharedChunks(pinned=True)
+    scratch = [shared(largest) for _ in range(readers_max)]
+
+    def reader(i: int, parts: ThreadPoolExecutor, procs: ReaderProcesses | None) -> None:
         torch.set_num_threads(1)
-        scratch = torch.empty(max_file_bytes(LLAMA3, max(ranks)), dtype=torch.uint8,
-                              pin_memory=True)
         while not stop.is_set():
-            for p in paths:
-                read_weights(p, lambda n: scratch[:n], torch.finfo(torch.bfloat16).max,
-                             parts=parts)
+            for f in files:
+                read_weights(f, lambda n: scratch[i][:n], torch.finfo(torch.bfloat16).max,
+                             parts=parts, files=procs)
 
     results = []
     syncs: dict[str, int] = {}
-    conditions = [(float(b), int(n), int(sw)) for b in a.busy_ms.split(",")
-                  for n in a.readers.split(",") for sw in a.switch_us.split(",")]
-    for busy, readers, switch_us in conditions:
+    conditions = [(float(b), int(n), int(sw), where) for b in a.busy_ms.split(",")
+                  for n in a.readers.split(",") for sw in a.switch_us.split(",")
+                  for where in a.read_in.split(",") if int(n) or where == "threads"]
+    for busy, readers, switch_us, read_in in conditions:
         sys.setswitchinterval(switch_us * 1e-6 if switch_us else DEFAULT_SWITCH)
         parts = ThreadPoolExecutor(max(readers, 1), initializer=torch.set_num_threads,
                                    initargs=(1,))
-        threads = [threading.Thread(target=reader, args=(parts,), daemon=True)
-                   for _ in range(readers)]
+        procs = (ReaderProcesses(shared.segments, readers) if read_in == "processes"
+                 else None)
+        threads = [threading.Thread(target=reader, args=(i, parts, procs), daemon=True)
+                   for i in range(readers)]
         stop.clear()
         for t in threads:
             t.start()
@@ -229,13 +243,16 @@ def main() -> None:
                         key = f"{path}: {os.path.basename(w.filename)}:{w.lineno}: {w.message}"
                         syncs[key[:240]] = syncs.get(key[:240], 0) + 1
                     row.update(path=path, rank=r, busy_ms=busy, readers=readers,
-                               switch_us=switch_us, rep=rep, bytes=e.weights.data.numel())
+                               read_in=read_in, switch_us=switch_us, rep=rep,
+                               bytes=e.weights.data.numel())
                     results.append(row)
                     print(json.dumps(row))
         stop.set()
         for t in threads:
             t.join()
         parts.shutdown()
+        if procs is not None:
+            procs.close()
     torch.cuda.synchronize()
     # The first synchronizing torch call of a load, with its stack.
     torch.cuda._sleep(int(50 * cycles_per_ms))
@@ -258,10 +275,11 @@ def main() -> None:
            "loads": results}
     json.dump(out, open(a.out, "w"), indent=1)
     print(json.dumps({k: v for k, v in out.items() if k not in ("loads", "first_sync")}))
-    for (busy, readers, switch_us), path in itertools.product(conditions, paths):
-        rows = [r for r in results if (r["busy_ms"], r["readers"], r["switch_us"], r["path"])
-                == (busy, readers, switch_us, path)]
-        print(f"{path}: busy {busy:5.0f} ms, {readers} readers, switch "
+    for (busy, readers, switch_us, read_in), path in itertools.product(conditions, paths):
+        rows = [r for r in results if (r["busy_ms"], r["readers"], r["switch_us"],
+                                       r["read_in"], r["path"])
+                == (busy, readers, switch_us, read_in, path)]
+        print(f"{path}: busy {busy:5.0f} ms, {readers} readers in {read_in}, switch "
               f"{switch_us or 'default'} us: host ms a load, median: " + ", ".join(
                   f"{k} {sorted(r[k] for r in rows)[len(rows) // 2]:.2f}"
                   for k in ("copy_ms", "pack_ms", "write_ms", "total_ms")))

@@ -28,7 +28,8 @@ ADDITIONAL_CONFIG_KEY = "loraserve"
 # is opaque to torch.compile (worker/paged_layer.py), and CUDA graphs, which
 # the mode does change, are captured anew at every start, never cached.
 COMPILE_FIELDS = ("pool", "kernel", "max_slots")
-RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads", "pack",
+RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads", "read_in",
+                  "pack",
                   "cold_start", "cold_start_group_layers", "cpu_assist_workers")
 
 
@@ -84,6 +85,17 @@ class LoraServeConfig:
         "adapter's read and value check into pieces. Requests whose adapter "
         "is still being read wait in the queue; the batch does not.",
         flag="--loraserve-read-threads",
+    )
+    read_in: str = _opt(
+        "processes",
+        "Where the host tier's reads and value checks run. 'processes': in as "
+        "many processes as --loraserve-read-threads, which map the tier's "
+        "memory (shared memory, pinned at start-up), so reading does not hold "
+        "the engine's GIL (4 reader threads made a page load's host time 2-5x "
+        "longer on an H200 host: docs/benchmarks/e2e.md, session 30). 'threads': "
+        "in the engine's process, on the reader threads.",
+        flag="--loraserve-read-in",
+        choices=("processes", "threads"),
     )
     pack: str = _opt(
         "auto",

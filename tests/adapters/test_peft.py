@@ -132,8 +132,8 @@ def test_a_split_read_offers_its_pieces_to_the_threads_and_ends_every_piece_befo
     with _Counting(3) as pool:
         spec, raw = read_weights(path, _alloc, BF16_MAX, parts=pool, part_bytes=64)
         pieces = -(-raw.data.numel() // 64)
-        # The check of values that pass runs over the buffer's own pieces.
-        assert pool.submitted == 2 * (pieces - 1) and pieces > 4
+        # Values that pass are screened in the pieces of the read, in one pass.
+        assert pool.submitted == pieces - 1 and pieces > 4
     started, ended = [], []
     second = threading.Event()
     pread = peft._pread_into
@@ -483,22 +483,49 @@ def test_read_weights_checks_the_values_in_the_buffer_it_fills(tmp_path, read):
         read(_write(tmp_path / "absurd", rank=4, alpha=1e30), _alloc, FP16_MAX)
 
 
-def test_values_that_pass_are_checked_over_the_whole_buffer(tmp_path, monkeypatch):
-    """An adapter whose values pass takes one reduction per piece of its
-    buffer, not one per tensor. Large A values fail that test (scaling *
-    max|value| beyond the dtype), yet pass the tensor by tensor check that
-    follows: only B takes the scaling."""
-    sizes = []
-    abs_max = peft._abs_max
-    monkeypatch.setattr(peft, "_abs_max", lambda t: sizes.append(t.numel()) or abs_max(t))
+def test_values_that_pass_are_screened_as_they_are_read(tmp_path, monkeypatch):
+    """An adapter whose values pass takes one screen per piece of its file's
+    data, as the piece is read, and no reduction per tensor. Large A values
+    fail the screen (scaling * max|value| beyond the dtype), yet pass the
+    tensor by tensor check that follows: only B takes the scaling."""
+    screened, per_tensor = [], []
+    bits, abs_max = peft.abs_max_bits, peft._abs_max
+    monkeypatch.setattr(peft, "abs_max_bits",
+                        lambda b, dt: screened.append((memoryview(b).nbytes, dt)) or bits(b, dt))
+    monkeypatch.setattr(peft, "_abs_max", lambda t: per_tensor.append(t.numel()) or abs_max(t))
     ok = _write(tmp_path / "ok", rank=4, alpha=8)
     raw = read_weights(ok, _alloc, FP16_MAX)[1]
-    assert sizes == [raw.data.numel() // 4]  # float32 files: every value, once
+    assert screened == [(raw.data.numel(), "F32")] and not per_tensor  # every byte, once
     big_a = _write(tmp_path / "big-a", rank=4, alpha=8)  # scaling 2
     _break(big_a, 1e5, "lora_A")
-    sizes.clear()
+    screened.clear()
     raw = read_weights(big_a, _alloc, FP16_MAX)[1]
-    assert len(sizes) == 1 + 2 * len(DIMS) and float(abs_max(raw.data.view(torch.float32))) == 1e5
+    assert len(screened) == 1 and len(per_tensor) == 2 * len(DIMS)
+    assert float(abs_max(raw.data.view(torch.float32))) == 1e5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_screen_reads_max_abs_value_from_the_bits(dtype):
+    """`abs_max_bits` agrees with torch's max|x|, in every dtype the pools
+    serve: negative values and -0, subnormals, the largest finite value,
+    Inf of either sign and NaN (which wins over Inf), across its chunks."""
+    name = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[dtype]
+    info = torch.finfo(dtype)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3 * peft._BITS_CHUNK + 5, generator=g) * 100).to(dtype)
+
+    def screen(t):
+        return peft.abs_max_bits(t.view(torch.uint8).numpy(), name)
+
+    assert screen(x) == float(x.abs().max()) and screen(x[:0]) == 0
+    x[-1] = -info.max
+    assert screen(x) == info.max
+    tiny = torch.tensor([-0.0, info.smallest_normal / 4, -info.smallest_normal / 2], dtype=dtype)
+    assert screen(tiny) == float(tiny.abs().max()) > 0
+    x[peft._BITS_CHUNK + 1] = -math.inf
+    assert screen(x) == math.inf
+    x[7] = math.nan
+    assert math.isnan(screen(x))
 
 
 # adapter_config.json bytes -> what the message says. Every parser failure

@@ -12,6 +12,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -344,8 +345,9 @@ def test_the_values_are_checked_in_the_read_once_on_a_reader(tmp_path, monkeypat
     """The pool's read (adapters/peft.py `read_weights` with the serving
     dtype's range, as worker/paged_manager.py `_read_file` calls it): the
     NaN/Inf and overflow check runs on the reader threads (a reader and the
-    part threads it splits its read over), over the tier's own buffer, and
-    each weights file's bytes are read once; a refused adapter
+    part threads it splits its read over), over the tier's own buffer, as a
+    screen of each piece as it is read, and tensor by tensor only for the
+    adapters the screen refuses; each weights file's bytes are read once; a refused adapter
     fails alone with a reason that says what is wrong with it, and the
     others are read and kept."""
     from vllm_loraserve.adapters import peft
@@ -421,18 +423,15 @@ def test_the_values_are_checked_in_the_read_once_on_a_reader(tmp_path, monkeypat
                 yield name, x, is_b
         return check(spec, seen(), max_value, *args)
 
-    fit = peft._values_fit
+    screened = []  # each piece's screen: (thread, its file, its dtype, in the tier's arena)
+    screen_span = peft.read_span
 
-    def recorded_fit(spec, data, *args):  # the whole-buffer check every adapter takes first
-        checked.append((threading.current_thread().name, spec.path, in_arena(data)))
-        return fit(spec, data, *args)
-
-    maxima_on = set()  # the threads that computed the values' maxima
-    abs_max = peft._abs_max
-
-    def recorded_abs_max(x):
-        maxima_on.add(threading.current_thread().name)
-        return abs_max(x)
+    def recorded_span(fd, view, start, lo, hi, screen):
+        address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        screened.append((threading.current_thread().name, os.readlink(f"/proc/self/fd/{fd}"),
+                         screen, any(c.data_ptr() <= address < c.data_ptr() + c.numel()
+                                     for c in t.arena.chunks)))
+        return screen_span(fd, view, start, lo, hi, screen)
 
     pread = peft._pread_into
 
@@ -447,9 +446,8 @@ def test_the_values_are_checked_in_the_read_once_on_a_reader(tmp_path, monkeypat
 
     monkeypatch.setattr(peft, "open", counted_open, raising=False)
     monkeypatch.setattr(peft, "_pread_into", counted_pread)
-    monkeypatch.setattr(peft, "_abs_max", recorded_abs_max)
+    monkeypatch.setattr(peft, "read_span", recorded_span)
     monkeypatch.setattr(peft, "check_weight_values", recorded)
-    monkeypatch.setattr(peft, "_values_fit", recorded_fit)
     monkeypatch.setattr(peft, "_read_tensors", lambda path: pytest.fail(f"{path} read twice"))
     for i, path in paths.items():
         assert t.prefetch(FileReq(i, path), ALIGN)
@@ -465,10 +463,15 @@ def test_the_values_are_checked_in_the_read_once_on_a_reader(tmp_path, monkeypat
     for i, path in paths.items():  # each file's bytes once: its header, then its data
         st = os.path.realpath(os.path.join(path, peft.SAFETENSORS_FILE))
         assert bytes_read[st] == os.path.getsize(st), (i, bytes_read)
+    # Every file screened as read, on the readers, in the tier's memory;
+    # tensor by tensor only the two the screen refused (to say why).
+    assert screened and all(name.startswith("loraserve-read") and screen == "F32" and in_tier
+                            for name, _, screen, in_tier in screened), screened
+    assert {os.path.dirname(f) for _, f, _, _ in screened} == \
+        {os.path.realpath(p) for p in paths.values()}
     assert checked and all(name.startswith("loraserve-read") and in_tier
                            for name, _, in_tier in checked), checked
-    assert {p for _, p, _ in checked} == set(paths.values())
-    assert maxima_on and all(name.startswith("loraserve-read") for name in maxima_on)
+    assert {p for _, p, _ in checked} == {paths[1], paths[2]}
     t.check()
     parts.shutdown()
 

@@ -34,7 +34,7 @@ import threading
 from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
@@ -290,6 +290,40 @@ def _abs_max(t: Any) -> float:
     return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
 
 
+# IEEE floats read by their bits (safetensors name -> unsigned integer type,
+# the bits of +Inf): with the sign bit cleared, non-negative floats order as
+# their bits do, and bits above +Inf's are NaN.
+_FLOAT_BITS = {"BF16": ("uint16", 0x7F80), "F16": ("uint16", 0x7C00), "F32": ("uint32", 0x7F800000)}
+_BITS_CHUNK = 1 << 19  # values a step of `abs_max_bits` takes (its scratch: 1-2 MiB)
+
+
+def abs_max_bits(buf: Any, dtype: str) -> float:
+    """max|value| of the `dtype` values (a `_FLOAT_BITS` name) in the bytes
+    `buf` (a buffer of whole values): nan if one is NaN, else inf if one is
+    Inf; 0 if empty. Integer operations on the bits (sign cleared, then the
+    largest), in numpy, which releases the GIL: one pass, without torch, so
+    the host tier's reader processes run it too (worker/reader_proc.py)."""
+    import numpy as np
+
+    kind, inf = _FLOAT_BITS[dtype]
+    ints = np.frombuffer(buf, dtype=kind)
+    magnitude = np.iinfo(kind).max >> 1
+    scratch = np.empty(min(ints.size, _BITS_CHUNK), dtype=kind)
+    top = 0
+    for i in range(0, ints.size, _BITS_CHUNK):
+        part = scratch[:min(_BITS_CHUNK, ints.size - i)]
+        np.bitwise_and(ints[i:i + part.size], magnitude, out=part)
+        top = max(top, int(part.max()))
+    if top > inf:
+        return math.nan
+    if top == inf:
+        return math.inf
+    if dtype == "BF16":  # the upper half of a float32
+        return float(np.array([top << 16], dtype=np.uint32).view(np.float32)[0])
+    return float(np.array([top], dtype=kind).view(np.float16 if dtype == "F16"
+                                                  else np.float32)[0])
+
+
 def check_weight_values(spec: PeftSpec, tensors: Iterable[tuple[str, Any, bool]],
                         max_value: float, parts: Executor | None = None,
                         part_bytes: int = PART_BYTES) -> None:
@@ -473,39 +507,60 @@ def _safetensors_index(st_path: str, path: str
 
 
 def read_weights(path: str, alloc: Any, max_value: float | None = None,
-                 parts: Executor | None = None, part_bytes: int = PART_BYTES
-                 ) -> tuple[PeftSpec, RawWeights]:
+                 parts: Executor | None = None, part_bytes: int = PART_BYTES,
+                 files: SpanFiles | None = None) -> tuple[PeftSpec, RawWeights]:
     """An adapter's spec (checked as `inspect_adapter` does) and its tensors
     in one buffer that `alloc(nbytes)` returns (a uint8 tensor, e.g. pinned).
     A safetensors file's data goes in with positional reads; an
     adapter_model.bin is loaded, then copied in. With `max_value`, the
     values are checked too (`check_weight_values`), in that buffer: the files
-    are read once. With `parts`, the read and the check are split into
-    pieces of about `part_bytes`, run by this thread and tasks on `parts`
+    are read once. A safetensors file's values are screened as each piece is
+    read (`read_span`), and checked tensor by tensor only where the screen
+    finds them wrong or cannot judge them (`_fits`; an adapter_model.bin
+    always). With `parts`, the read and the check are split into pieces of
+    about `part_bytes`, run by this thread and tasks on `parts`
     (`_map_all`): one thread reads and checks at ~1.4-1.8 GB/s (an H200
     host's /dev/shm, docs/benchmarks/cold-start.md), well below the
-    memory's rate."""
+    memory's rate. With `files`, those pieces are read and screened by
+    `files.read_span` (the host tier's reader processes, where `alloc`
+    returns memory they map), and the threads only wait for them."""
     import torch
 
     dtypes = {st: getattr(torch, t) for st, t in _WEIGHT_DTYPES.items()}
     spec = inspect_adapter(path)
     st_path = os.path.join(spec.path, SAFETENSORS_FILE)
     refs: dict[str, dict[str, RawTensor]] = {}
+    maxima = None  # each piece's max|value|, where the read screened them
     if os.path.isfile(st_path):
         try:
             start, size, index = _safetensors_index(st_path, spec.path)
             data = alloc(size)
-            view = memoryview(data.numpy())
-            fd = os.open(st_path, os.O_RDONLY)
-            try:
-                spans = _spans(size, part_bytes if parts is not None else size)
-                got = sum(_map_all(parts, lambda s: _pread_into(fd, view, start, *s), spans))
-            finally:
-                os.close(fd)
+            # The values are screened as they are read when the file's
+            # tensors share one float dtype (`_fits`).
+            file_dtypes = {dt for _, _, dt in index.values()}
+            screen = file_dtypes.pop() if max_value is not None and len(file_dtypes) == 1 \
+                else None
+            if screen not in _FLOAT_BITS or size % _DTYPE_BYTES[screen]:
+                screen = None
+            spans = _spans(size, part_bytes if parts is not None else size,
+                           _DTYPE_BYTES[screen] if screen else 1)
+            if files is not None:
+                results = _map_all(parts, lambda s: files.read_span(
+                    st_path, start, data, *s, screen), spans)
+            else:
+                view = memoryview(data.numpy())
+                fd = os.open(st_path, os.O_RDONLY)
+                try:
+                    results = _map_all(parts, lambda s: read_span(fd, view, start, *s, screen),
+                                       spans)
+                finally:
+                    os.close(fd)
         except OSError as e:  # its cause tells a transient error (worker/host_tier.py)
             raise AdapterError(f"{SAFETENSORS_FILE} in {spec.path} is unreadable: {e}") from e
-        if got != size:
+        if sum(got for got, _ in results) != size:
             raise AdapterError(f"the adapter weights in {spec.path} changed while being read")
+        if screen:
+            maxima = [m for _, m in results]
         for key, (offset, shape, dt) in index.items():
             if dt not in dtypes:  # the file changed since its inspection
                 raise AdapterError(f"tensor {key!r} has dtype {dt}; LoRA weights must be "
@@ -531,9 +586,7 @@ def read_weights(path: str, alloc: Any, max_value: float | None = None,
         raise AdapterError(f"the adapter weights in {spec.path} changed while being read")
     raw = RawWeights(data, modules)
     if max_value is not None:
-        file_dtypes = {t.dtype for ab in modules.values() for t in ab}
-        if len(file_dtypes) != 1 or not _values_fit(spec, data, file_dtypes.pop(), max_value,
-                                                    parts, part_bytes):
+        if not _fits(spec, maxima, max_value):
             # The tensor by tensor check names what is wrong, and tells large
             # A values (fine: the scaling goes into B only) from large B ones.
             check_weight_values(spec, [(f"lora_{kind} of {m}", t, kind == "B")
@@ -543,22 +596,35 @@ def read_weights(path: str, alloc: Any, max_value: float | None = None,
     return spec, raw
 
 
-def _values_fit(spec: PeftSpec, data: Any, dtype: Any, max_value: float,
-                parts: Executor | None, part_bytes: int) -> bool:
-    """Whether `data` (the file's tensors, all of `dtype`) passes
-    `check_weight_values`, judged from the whole buffer: every value finite
-    and scaling * max|value| within `max_value` (the largest B is no larger).
-    False means "check tensor by tensor", not "bad". The buffer's pieces take
-    a few `aminmax` calls where the tensors take hundreds (448 for
-    Llama-3-8B all-linear): readers share the engine's GIL, and each call
-    takes it twice (benchmarks/e2e/load_host_time.py)."""
-    if spec.scaling > max_value or data.numel() % dtype.itemsize:
-        return False
-    values = data.view(dtype)
-    spans = _spans(values.numel(), max(part_bytes // dtype.itemsize, 1) if parts is not None
-                   else values.numel())
-    maxima = _map_all(parts, lambda s: _abs_max(values[s[0]:s[1]]), spans)
-    return all(math.isfinite(m) for m in maxima) and spec.scaling * max(maxima) <= max_value
+def _fits(spec: PeftSpec, maxima: list[float] | None, max_value: float) -> bool:
+    """Whether the read's screen (`maxima`: max|value| of each piece of the
+    file's data; None: not screened) shows the values pass
+    `check_weight_values`: every value finite and scaling * max|value|
+    within `max_value` (the largest B is no larger). False means "check
+    tensor by tensor", not "bad". A screen takes a few passes where the
+    tensors take hundreds of calls (448 for Llama-3-8B all-linear), each of
+    which would take the reader's GIL twice (benchmarks/e2e/load_host_time.py)."""
+    return maxima is not None and spec.scaling <= max_value and \
+        all(math.isfinite(m) for m in maxima) and spec.scaling * max(maxima) <= max_value
+
+
+class SpanFiles(Protocol):
+    """Reads pieces of files into memory it maps (worker/file_readers.py:
+    the host tier's reader processes)."""
+
+    def read_span(self, path: str, start: int, dest: Any, lo: int, hi: int,
+                  screen: str | None) -> tuple[int, float | None]:
+        """`read_span` of file `path` into `dest` (a uint8 tensor in memory
+        the reader maps)."""
+
+
+def read_span(fd: int, view: memoryview, start: int, lo: int, hi: int, screen: str | None
+              ) -> tuple[int, float | None]:
+    """The file's bytes [start + lo, start + hi) into view[lo:hi]: how many
+    it held, and with `screen` (a `_FLOAT_BITS` dtype) their max|value|
+    (`abs_max_bits`; None without), while they are in the cache."""
+    got = _pread_into(fd, view, start, lo, hi)  # short: the caller finds the file changed
+    return got, abs_max_bits(view[lo:hi], screen) if screen and got == hi - lo else None
 
 
 def _map_all(parts: Executor | None, fn: Any, items: list) -> list:
@@ -605,10 +671,11 @@ def _map_all(parts: Executor | None, fn: Any, items: list) -> list:
     return results
 
 
-def _spans(size: int, part_bytes: int) -> list[tuple[int, int]]:
-    """[0, size) in pieces of about `part_bytes` (at least one, at most 1024)."""
+def _spans(size: int, part_bytes: int, align: int = 1) -> list[tuple[int, int]]:
+    """[0, size) in pieces of about `part_bytes` (at least one, at most
+    1024), each starting at a multiple of `align`."""
     n = max(1, min(-(-size // max(part_bytes, 1)), 1024))
-    edges = [size * i // n for i in range(n + 1)]
+    edges = [size * i // n // align * align for i in range(n)] + [size]
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 

@@ -70,6 +70,7 @@ from vllm_loraserve.worker.assist import CpuAssist
 from vllm_loraserve.worker.cold_start import ColdStart, layer_groups, resolve_mode
 from vllm_loraserve.worker.cpu_lora.pool import CpuPoolConfig, CpuWorkerPool
 from vllm_loraserve.worker.cpu_lora.shm import SharedChunks
+from vllm_loraserve.worker.file_readers import ReaderProcesses
 from vllm_loraserve.worker.host_tier import (
     Alloc,
     HostAdapter,
@@ -158,12 +159,16 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         # adapter this engine serves.
         largest = max_file_bytes(vllm_config.model_config.hf_text_config,
                                  self.lora_config.max_lora_rank)
-        # cpu-assist's workers read the weights where the tier keeps them:
-        # its chunks are then shared-memory segments they map.
-        self._shared = (SharedChunks(pinned=cuda) if self.cold_start == "cpu-assist"
-                        and cfg.cpu_assist_workers >= 0 else None)
+        # The reader processes write, and cpu-assist's workers read, the
+        # weights where the tier keeps them: its chunks are then
+        # shared-memory segments they map.
+        readers_map = cfg.read_in == "processes"
+        self._shared = (SharedChunks(pinned=cuda) if readers_map or self.cold_start ==
+                        "cpu-assist" and cfg.cpu_assist_workers >= 0 else None)
         arena = PinnedArena.for_budget(cfg.host_budget(), largest, pinned=cuda,
                                        make_chunk=self._shared)
+        self._files = (ReaderProcesses(self._shared.segments, cfg.read_threads)
+                       if readers_map else None)
         # Each read splits its file's read and check over these (one reader
         # thread alone reads and checks at ~1.4-1.8 GB/s).
         self._read_parts = ThreadPoolExecutor(cfg.read_threads,
@@ -247,7 +252,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
     def _assist(self, layout: Any) -> CpuAssist | CpuWorkerPool:
         """cpu-assist's deltas: the CPU worker processes over the host tier's
         shared chunks, or the engine's own threads (--loraserve-cpu-assist-workers -1)."""
-        if self._shared is None:
+        if self.cfg.cpu_assist_workers < 0:
             logger.info("vllm-loraserve cpu-assist: deltas on the engine's own threads")
             return CpuAssist()
         # The spare cores are split between the GPUs this process sees, by
@@ -320,7 +325,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         the device at load (`_device_streams`)."""
         spec, raw = read_weights(lora_request.lora_path, alloc,
                                  torch.finfo(self.lora_config.lora_dtype).max,
-                                 parts=self._read_parts)
+                                 parts=self._read_parts, files=self._files)
         layout = self.pool.layout
         slices = {s.name: s for s in layout.slices}
         where = {}
