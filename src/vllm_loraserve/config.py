@@ -87,13 +87,15 @@ class LoraServeConfig:
         flag="--loraserve-read-threads",
     )
     read_in: str = _opt(
-        "processes",
-        "Where the host tier's reads and value checks run. 'processes': in as "
-        "many processes as --loraserve-read-threads, which map the tier's "
-        "memory (shared memory, pinned at start-up), so reading does not hold "
-        "the engine's GIL (4 reader threads made a page load's host time 2-5x "
-        "longer on an H200 host: docs/benchmarks/e2e.md, session 30). 'threads': "
-        "in the engine's process, on the reader threads.",
+        "threads",
+        "Where the host tier's reads and value checks run. 'threads': in the "
+        "engine's process, on the reader threads, whose GIL the engine thread "
+        "shares. 'processes' (experimental): in as many processes as "
+        "--loraserve-read-threads, which map the tier's memory (shared memory, "
+        "pinned at start-up). On an H200 it cut the engine thread's page-load "
+        "time 2.2x at pool-1000, but its throughput gain was within the runs' "
+        "spread, and one of its three runs stalled, unexplained "
+        "(docs/benchmarks/e2e.md, session 30).",
         flag="--loraserve-read-in",
         choices=("processes", "threads"),
     )

@@ -111,7 +111,7 @@ def test_a_file_removed_fails_as_it_does_in_this_process(tier, tmp_path):
 def test_memory_outside_the_chunks_is_refused(tier):
     _, files, _ = tier
     with pytest.raises(ValueError, match="only into the host tier's chunks"):
-        files.read_span("/dev/null", 0, torch.empty(64, dtype=torch.uint8), 0, 64, None)
+        files.read_spans("/dev/null", 0, torch.empty(64, dtype=torch.uint8), [(0, 64)], None)
 
 
 def test_close_stops_the_processes(tmp_path):

@@ -346,7 +346,7 @@ def check_weight_values(spec: PeftSpec, tensors: Iterable[tuple[str, Any, bool]]
     tensors = list(tensors)
     groups = _groups([t.numel() * t.element_size() for _, t, _ in tensors],
                      part_bytes if parts is not None else math.inf)
-    maxima = _map_all(parts, lambda g: [_abs_max(tensors[i][1]) for i in g], groups)
+    maxima = map_all(parts, lambda g: [_abs_max(tensors[i][1]) for i in g], groups)
     max_b = 0.0
     for (name, _, is_b), m in zip(tensors, (m for ms in maxima for m in ms), strict=True):
         if not math.isfinite(m):
@@ -519,11 +519,12 @@ def read_weights(path: str, alloc: Any, max_value: float | None = None,
     finds them wrong or cannot judge them (`_fits`; an adapter_model.bin
     always). With `parts`, the read and the check are split into pieces of
     about `part_bytes`, run by this thread and tasks on `parts`
-    (`_map_all`): one thread reads and checks at ~1.4-1.8 GB/s (an H200
+    (`map_all`): one thread reads and checks at ~1.4-1.8 GB/s (an H200
     host's /dev/shm, docs/benchmarks/cold-start.md), well below the
-    memory's rate. With `files`, those pieces are read and screened by
-    `files.read_span` (the host tier's reader processes, where `alloc`
-    returns memory they map), and the threads only wait for them."""
+    memory's rate. With `files`, the file is read and screened in those
+    pieces by `files.read_spans`, in one request (the host tier's reader
+    processes, where `alloc` returns memory they map), and `parts` is not
+    used."""
     import torch
 
     dtypes = {st: getattr(torch, t) for st, t in _WEIGHT_DTYPES.items()}
@@ -542,16 +543,15 @@ def read_weights(path: str, alloc: Any, max_value: float | None = None,
                 else None
             if screen not in _FLOAT_BITS or size % _DTYPE_BYTES[screen]:
                 screen = None
-            spans = _spans(size, part_bytes if parts is not None else size,
-                           _DTYPE_BYTES[screen] if screen else 1)
-            if files is not None:
-                results = _map_all(parts, lambda s: files.read_span(
-                    st_path, start, data, *s, screen), spans)
+            spans = _spans(size, part_bytes if parts is not None or files is not None
+                           else size, _DTYPE_BYTES[screen] if screen else 1)
+            if files is not None:  # one request: the reader splits it over its own threads
+                results = files.read_spans(st_path, start, data, spans, screen)
             else:
                 view = memoryview(data.numpy())
                 fd = os.open(st_path, os.O_RDONLY)
                 try:
-                    results = _map_all(parts, lambda s: read_span(fd, view, start, *s, screen),
+                    results = map_all(parts, lambda s: read_span(fd, view, start, *s, screen),
                                        spans)
                 finally:
                     os.close(fd)
@@ -609,13 +609,14 @@ def _fits(spec: PeftSpec, maxima: list[float] | None, max_value: float) -> bool:
 
 
 class SpanFiles(Protocol):
-    """Reads pieces of files into memory it maps (worker/file_readers.py:
-    the host tier's reader processes)."""
+    """Reads files into memory it maps (worker/file_readers.py: the host
+    tier's reader processes)."""
 
-    def read_span(self, path: str, start: int, dest: Any, lo: int, hi: int,
-                  screen: str | None) -> tuple[int, float | None]:
+    def read_spans(self, path: str, start: int, dest: Any, spans: list[tuple[int, int]],
+                   screen: str | None) -> list[tuple[int, float | None]]:
         """`read_span` of file `path` into `dest` (a uint8 tensor in memory
-        the reader maps)."""
+        the reader maps) for each of `spans`, in any order and at once; a
+        span's error is raised once none of them still writes into `dest`."""
 
 
 def read_span(fd: int, view: memoryview, start: int, lo: int, hi: int, screen: str | None
@@ -627,7 +628,7 @@ def read_span(fd: int, view: memoryview, start: int, lo: int, hi: int, screen: s
     return got, abs_max_bits(view[lo:hi], screen) if screen and got == hi - lo else None
 
 
-def _map_all(parts: Executor | None, fn: Any, items: list) -> list:
+def map_all(parts: Executor | None, fn: Any, items: list) -> list:
     """[fn(x) for x in items]. With `parts`, this thread and tasks on
     `parts` take the items in turn: the call goes on on its own thread even
     when every task of `parts` is busy (other reads, a hung file), and tasks

@@ -7,14 +7,18 @@ load grew 2-5x on an H200 host (benchmarks/e2e/load_host_time.py,
 docs/benchmarks/e2e.md, session 30). Here the tier's arena is made of
 shared-memory chunks (worker/cpu_lora/shm.py `SharedChunks`, pinned at
 start-up as the arena's own chunks are) and `processes` reader processes
-(worker/reader_proc.py) map them: a piece of a file is read and screened
-there (adapters/peft.py `read_span`), and the tier's threads only send its
-place and wait for the answer. Everything else of a read (the config and
+(worker/reader_proc.py) map them: a file is read and screened there, in
+pieces, on `threads` threads of each process (adapters/peft.py
+`read_span`), and the tier's threads only send its place and wait for the
+answer. One request per file: each answer waits for the engine's GIL,
+which the engine thread holds most of the time (with a request per 8 MB
+piece, in session 30, the processes idled 86% of the time and the tier's
+reads took 1.4x as long as in threads). Everything else of a read (the config and
 the header, the checks against the pool's layout, the tier's bookkeeping)
 stays in the engine's process.
 
-Invariants: each process serves one piece at a time, for the thread that
-took it from the idle queue; a process that dies fails the piece it held
+Invariants: each process serves one file at a time, for the thread that
+took it from the idle queue; a process that dies fails the read it held
 with an I/O error (transient: the adapter is read again at its next
 request) and a new one takes its place.
 """
@@ -42,6 +46,9 @@ from vllm_loraserve.worker.cpu_lora.shm import SharedSegment
 logger = logging.getLogger(f"vllm.{__name__}")
 
 START_TIMEOUT_S = 60.0
+# Threads a process splits its file over: 4 processes (--loraserve-read-threads)
+# then read 8 pieces at once, as the threads mode's 4 readers and 4 part threads do.
+THREADS = 2
 
 
 class ReaderFailure(RuntimeError):
@@ -72,30 +79,31 @@ class ReaderProcesses:
     """adapters/peft.py `SpanFiles` over `processes` reader processes that
     map `chunks` (the arena's segments, which stay open while this lives)."""
 
-    def __init__(self, chunks: Sequence[SharedSegment], processes: int) -> None:
+    def __init__(self, chunks: Sequence[SharedSegment], processes: int,
+                 threads: int = THREADS) -> None:
         if processes < 1:
             raise ValueError(f"reader processes must be at least 1, got {processes}")
-        self._chunks = list(chunks)
+        self._chunks, self._threads = list(chunks), threads
         # Chunks by start address (they never overlap): a lookup is one bisect.
         self._by_address = sorted((c.address, i) for i, c in enumerate(self._chunks))
         self._starts = [a for a, _ in self._by_address]
         self._all: list[_Reader] = []  # every live reader, for the finalizer
         self._idle: queue.SimpleQueue[_Reader] = queue.SimpleQueue()
         self._finalizer = weakref.finalize(self, _stop_all, self._all)
+        self.respawns = 0  # readers that replaced one that died
         try:
             for _ in range(processes):
                 self._idle.put(self._spawn())
         except BaseException:
             self.close()
             raise
-        self.respawns = 0
         logger.info("loraserve: %d host-tier reader processes (pids %s) map the tier's %d "
                     "chunks", processes, [r.proc.pid for r in self._all], len(self._chunks))
 
     def _spawn(self) -> _Reader:
         ours, theirs = socket.socketpair()
         fds = [c.fd for c in self._chunks]
-        args = json.dumps({"conn": theirs.fileno(),
+        args = json.dumps({"conn": theirs.fileno(), "threads": self._threads,
                            "chunks": [(c.fd, c.size) for c in self._chunks]})
         try:
             proc = subprocess.Popen(
@@ -130,9 +138,12 @@ class ReaderProcesses:
             raise ValueError("the reader processes read only into the host tier's chunks")
         return chunk, address - self._chunks[chunk].address
 
-    def read_span(self, path: str, start: int, dest: torch.Tensor, lo: int, hi: int,
-                  screen: str | None) -> tuple[int, float | None]:
+    def read_spans(self, path: str, start: int, dest: torch.Tensor,
+                   spans: list[tuple[int, int]], screen: str | None
+                   ) -> list[tuple[int, float | None]]:
         chunk, offset = self._locate(dest)
+        if any(lo < 0 or hi > dest.numel() for lo, hi in spans):
+            raise ValueError("a span reaches past its buffer")
         while True:  # all may be busy (a slow disk): wait, unless none is left
             try:
                 reader = self._idle.get(timeout=1.0)
@@ -141,7 +152,7 @@ class ReaderProcesses:
                 if not self._all:
                     raise ReaderFailure("no host-tier reader process is left") from None
         try:
-            reader.conn.send((path, start, chunk, offset, lo, hi, screen))
+            reader.conn.send((path, start, chunk, offset, spans, screen))
             reply = reader.conn.recv()
         except (EOFError, OSError) as e:
             code = reader.proc.poll()
@@ -158,7 +169,7 @@ class ReaderProcesses:
             if reader in self._all:
                 self._idle.put(reader)
         if reply[0] == "ok":
-            return reply[1], reply[2]
+            return reply[1]
         if reply[0] == "oserror":
             raise OSError(reply[1], reply[2])
         raise RuntimeError(f"a host-tier reader process failed reading {path}: {reply[1]}")

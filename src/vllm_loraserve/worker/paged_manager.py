@@ -14,8 +14,10 @@ warm-up calls). Differences from vLLM:
   tier (worker/host_tier.py: one arena allocated, and pinned on a GPU, here
   at start-up; nothing is pinned while serving), filled by `read_threads`
   background readers from the scheduler's prefetch hints (and by a runtime
-  `add_lora`). A hint is read only when the tier has room beside the entries
-  waiting requests still need (`PoolStep.keep`), so read-ahead never evicts
+  `add_lora`; with `--loraserve-read-in processes`, each read runs in
+  reader processes that map the arena: worker/file_readers.py). A hint is
+  read only when the tier has room beside the entries waiting requests
+  still need (`PoolStep.keep`), so read-ahead never evicts
   what it read for the queue before those requests are admitted. Each step's
   `PoolReport` tells the scheduler which adapters are in that tier, so it
   admits a request only once its adapter is; a step reads from disk itself
@@ -169,11 +171,15 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                                        make_chunk=self._shared)
         self._files = (ReaderProcesses(self._shared.segments, cfg.read_threads)
                        if readers_map else None)
+        if readers_map:
+            logger.warning("vllm-loraserve: --loraserve-read-in processes is experimental: "
+                           "one of its three runs on an H200 stalled, unexplained "
+                           "(docs/benchmarks/e2e.md, session 30)")
         # Each read splits its file's read and check over these (one reader
         # thread alone reads and checks at ~1.4-1.8 GB/s).
-        self._read_parts = ThreadPoolExecutor(cfg.read_threads,
-                                              thread_name_prefix="loraserve-read-part",
-                                              initializer=torch.set_num_threads, initargs=(1,))
+        self._read_parts = None if readers_map else ThreadPoolExecutor(
+            cfg.read_threads, thread_name_prefix="loraserve-read-part",
+            initializer=torch.set_num_threads, initargs=(1,))
         self.host: HostTier[HostAdapter] = HostTier(
             arena, self._read_file, cfg.read_threads, fence=self._fence,
             on_read=lambda lora_id, seconds: self._record(lora_id, "host", seconds))
@@ -593,7 +599,9 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             pipelined_groups=cold.pipelined_groups if cold else 0,
             assisted_groups=cold.assisted_groups if cold else 0,
             cpu_assist_workers=cold.assist_workers if cold else 0,
-            sync_free_jobs=cold.sync_free_jobs if cold else 0)
+            sync_free_jobs=cold.sync_free_jobs if cold else 0,
+            reader_processes=len(self._files.pids) if self._files else 0,
+            reader_respawns=self._files.respawns if self._files else 0)
         return ResidencyReport(
             gpu=tuple(gpu), host=tuple(sorted(set(host_ids) - set(gpu))), events=events,
             dropped_events=self.dropped_events, pages={i: pool.pages_of(i) for i in gpu},

@@ -5,10 +5,13 @@ under a GIL of its own.
 The engine starts it as `python -m vllm_loraserve.worker.reader_proc
 ARGS_JSON`, inheriting a socket and the chunks' descriptors. It asks the
 kernel to kill it when the engine dies, maps the chunks, says "ready", then
-answers one request at a time: (path, file offset, chunk, offset in the
-chunk, lo, hi, screen) -> ("ok", bytes read, max|value| or None), or the
-error, as ("oserror", errno, text) or ("error", text). It exits when the
-engine closes its socket. No torch here: it starts in a fraction of a second.
+answers one request at a time: a file's read, (path, file offset, chunk,
+offset in the chunk, spans, screen) -> ("ok", [(bytes read, max|value| or
+None) per span]), or the error, as ("oserror", errno, text) or ("error",
+text). It splits each read's spans over `threads` threads of its own
+(adapters/peft.py `map_all`: one file at a time, so one round trip, and
+one wait for the engine's GIL, per adapter). It exits when the engine
+closes its socket. No torch here: it starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -19,31 +22,37 @@ import mmap
 import os
 import signal
 import sys
+from concurrent.futures import Executor, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
-from vllm_loraserve.adapters.peft import read_span
+from vllm_loraserve.adapters.peft import map_all, read_span
 
 _PR_SET_PDEATHSIG = 1
 
 
-def serve(conn: Connection, views: list[memoryview]) -> None:
+def read(views: list[memoryview], parts: Executor, path: str, start: int, chunk: int,
+         offset: int, spans: list[tuple[int, int]], screen: str | None) -> tuple:
+    """One request's reply."""
+    try:
+        view = views[chunk][offset:offset + max((hi for _, hi in spans), default=0)]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return "ok", map_all(parts, lambda s: read_span(fd, view, start, *s, screen), spans)
+        finally:
+            os.close(fd)
+    except OSError as e:  # its errno tells the tier a transient error
+        return "oserror", e.errno, str(e)
+    except Exception as e:
+        return "error", f"{type(e).__name__}: {e}"
+
+
+def serve(conn: Connection, views: list[memoryview], parts: Executor) -> None:
     while True:
         try:
-            path, start, chunk, offset, lo, hi, screen = conn.recv()
+            request = conn.recv()
         except EOFError:  # the engine closed its end
             return
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                got, top = read_span(fd, views[chunk][offset:offset + hi], start, lo, hi, screen)
-            finally:
-                os.close(fd)
-            reply = ("ok", got, top)
-        except OSError as e:  # its errno tells the tier a transient error
-            reply = ("oserror", e.errno, str(e))
-        except Exception as e:
-            reply = ("error", f"{type(e).__name__}: {e}")
-        conn.send(reply)
+        conn.send(read(views, parts, *request))
 
 
 def main(args: dict) -> None:
@@ -58,7 +67,8 @@ def main(args: dict) -> None:
         os.close(fd)
     conn = Connection(args["conn"])
     conn.send(("ready",))
-    serve(conn, views)
+    with ThreadPoolExecutor(max(args["threads"] - 1, 1)) as parts:  # map_all's caller works too
+        serve(conn, views, parts)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,10 @@ class PoolCounters:
     # cpu-assist: CPU delta jobs enqueued without a host wait (the sync-free
     # path: the workers with the csrc/ op on a GPU, or on the CPU).
     sync_free_jobs: int = 0
+    # --loraserve-read-in processes: the host tier's reader processes alive
+    # now, and how many replaced one that died (0, 0: reads on its threads).
+    reader_processes: int = 0
+    reader_respawns: int = 0
 
 
 @dataclass(frozen=True)
