@@ -58,9 +58,11 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
+from typing import IO
 
 SHAPES = {
     "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -517,6 +519,38 @@ def roofline(summary: dict) -> None:
                                                  / r["lora_ms_per_step"], 3)
 
 
+def run_child(cmd: list[str], env: dict, log_file: IO, timeout_s: float,
+              grace_s: float = 5.0) -> int | str:
+    """Run a config's child in a process group of its own: its exit code, or
+    "timeout". With PYTHONFAULTHANDLER set, a child cut off at the time limit
+    gets SIGABRT first, so each of its Python processes (the engine core, the
+    host tier's reader processes) writes its threads' stacks to the log;
+    then the whole group is killed, so that no engine of it still holds the
+    GPU when the next config starts (an engine core outlived its killed
+    parent in session 30)."""
+    child = subprocess.Popen(cmd, env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=log_file,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        rc: int | str = child.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+        os.killpg(child.pid, signal.SIGABRT)
+        time.sleep(grace_s)
+    try:
+        os.killpg(child.pid, signal.SIGKILL)  # whatever of it is left
+    except ProcessLookupError:
+        pass
+    child.wait()
+    deadline = time.time() + 10  # until the group is gone (a zombie nobody reaps stays)
+    while time.time() < deadline:
+        try:
+            os.killpg(child.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    return rc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="none,stock-100,pool-100")
@@ -591,21 +625,15 @@ def main() -> None:
     for c in configs:
         t = time.time()
         with open(os.path.join(a.out, f"{c}.log"), "w") as lf:
-            try:
-                env = {**os.environ, **CONFIG_ENV.get(c, {}),
-                       **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if a.profile else {})}
-                rc = subprocess.run([sys.executable, __file__, "--child", c, "--root", a.root,
-                                     "--shape", a.shape, "--targets", a.targets,
-                                     "--ranks", a.ranks, "--warm-adapters",
-                                     str(a.warm_adapters), "--pool-config", a.pool_config,
-                                     "--engine-kw", a.engine_kw, "--graph-size", a.graph_size,
-                                     "--out", a.out, "--profile", str(a.profile),
-                                     *(["--profile-gpu-only"] if a.profile_gpu_only else [])],
-                                    env=env,
-                                    stdout=lf, stderr=subprocess.STDOUT,
-                                    timeout=a.timeout_s).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+            env = {**os.environ, **CONFIG_ENV.get(c, {}),
+                   **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if a.profile else {})}
+            rc = run_child([sys.executable, __file__, "--child", c, "--root", a.root,
+                            "--shape", a.shape, "--targets", a.targets, "--ranks", a.ranks,
+                            "--warm-adapters", str(a.warm_adapters), "--pool-config",
+                            a.pool_config, "--engine-kw", a.engine_kw, "--graph-size",
+                            a.graph_size, "--out", a.out, "--profile", str(a.profile),
+                            *(["--profile-gpu-only"] if a.profile_gpu_only else [])],
+                           env, lf, a.timeout_s)
         path = os.path.join(a.out, f"{c}.json")
         r = json.load(open(path)) if os.path.exists(path) else {}
         # A child that wrote its results measured them, even if it was then

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -139,3 +140,41 @@ def test_gpu_busy_sums_the_gaps_between_device_intervals_by_length():
         "<=5us": 1, "<=50us": 1, "<=1ms": 1, ">1ms": 1}
     assert busy["idle_gaps"]["<=1ms"]["s"] == pytest.approx(500e-6)
     assert busy["idle_gaps"][">1ms"]["s"] == pytest.approx(3000e-6)
+
+
+# A child that starts a grandchild in its group (as vLLM starts its engine
+# core), writes its pid, then exits or hangs.
+FAMILY = """
+import subprocess, sys, time
+g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+open(sys.argv[1], "w").write(str(g.pid))
+if sys.argv[2] == "hang":
+    time.sleep(60)
+"""
+
+
+def _gone(pid: int) -> bool:
+    for _ in range(50):  # SIGKILL takes effect asynchronously
+        try:
+            if open(f"/proc/{pid}/stat").read().split()[2] == "Z":  # a zombie nobody reaps
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("ending", ["exit", "hang"])
+def test_a_config_s_child_leaves_no_process_behind(tmp_path, ending):
+    """Whether the child exits or is cut off at its time limit, its whole
+    process group is gone before the next config starts: an engine core
+    that outlived its parent held the GPU in session 30. A cut-off child
+    gets SIGABRT first, so faulthandler writes its stacks to the log."""
+    pid_file = tmp_path / "grandchild"
+    with open(tmp_path / "log", "w") as log:
+        rc = bench_e2e.run_child([sys.executable, "-c", FAMILY, str(pid_file), ending],
+                                 dict(os.environ), log, timeout_s=3, grace_s=0.5)
+    assert rc == ("timeout" if ending == "hang" else 0)
+    assert _gone(int(pid_file.read_text()))
+    if ending == "hang":
+        assert "Fatal Python error: Aborted" in (tmp_path / "log").read_text()

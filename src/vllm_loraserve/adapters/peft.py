@@ -541,8 +541,9 @@ def read_weights(path: str, alloc: Any, max_value: float | None = None,
             file_dtypes = {dt for _, _, dt in index.values()}
             screen = file_dtypes.pop() if max_value is not None and len(file_dtypes) == 1 \
                 else None
-            if screen not in _FLOAT_BITS or size % _DTYPE_BYTES[screen]:
-                screen = None
+            if screen not in _FLOAT_BITS or size % _DTYPE_BYTES[screen] or any(
+                    off % _DTYPE_BYTES[screen] for off, _, _ in index.values()):
+                screen = None  # values off the dtype's grid: tensor by tensor
             spans = _spans(size, part_bytes if parts is not None or files is not None
                            else size, _DTYPE_BYTES[screen] if screen else 1)
             if files is not None:  # one request: the reader splits it over its own threads

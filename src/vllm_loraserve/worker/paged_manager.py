@@ -601,6 +601,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             cpu_assist_workers=cold.assist_workers if cold else 0,
             sync_free_jobs=cold.sync_free_jobs if cold else 0,
             reader_processes=len(self._files.pids) if self._files else 0,
+            reader_reads=self._files.reads if self._files else 0,
             reader_respawns=self._files.respawns if self._files else 0)
         return ResidencyReport(
             gpu=tuple(gpu), host=tuple(sorted(set(host_ids) - set(gpu))), events=events,

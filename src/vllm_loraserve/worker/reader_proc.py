@@ -3,20 +3,20 @@ adapter files into the tier's shared-memory chunks and screens their values,
 under a GIL of its own.
 
 The engine starts it as `python -m vllm_loraserve.worker.reader_proc
-ARGS_JSON`, inheriting a socket and the chunks' descriptors. It asks the
-kernel to kill it when the engine dies, maps the chunks, says "ready", then
-answers one request at a time: a file's read, (path, file offset, chunk,
-offset in the chunk, spans, screen) -> ("ok", [(bytes read, max|value| or
-None) per span]), or the error, as ("oserror", errno, text) or ("error",
-text). It splits each read's spans over `threads` threads of its own
-(adapters/peft.py `map_all`: one file at a time, so one round trip, and
-one wait for the engine's GIL, per adapter). It exits when the engine
-closes its socket. No torch here: it starts in a fraction of a second.
+ARGS_JSON`, inheriting a socket and the chunks' descriptors. It maps the
+chunks, says "ready", then answers one request at a time: a file's read,
+(path, file offset, chunk, offset in the chunk, spans, screen) -> ("ok",
+[(bytes read, max|value| or None) per span]), or the error, as ("oserror",
+errno, text, file name), ("memory",) or ("error", text). It splits each
+read's spans over `threads` threads of its own (adapters/peft.py
+`map_all`: one file at a time, so one round trip, and one wait for the
+engine's GIL, per adapter). It exits at the end of its socket: when the
+engine closes it, or dies (the kernel closes it then; a read under way
+finishes first). No torch here: it starts in a fraction of a second.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
 import os
@@ -26,8 +26,6 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
 from vllm_loraserve.adapters.peft import map_all, read_span
-
-_PR_SET_PDEATHSIG = 1
 
 
 def read(views: list[memoryview], parts: Executor, path: str, start: int, chunk: int,
@@ -41,7 +39,9 @@ def read(views: list[memoryview], parts: Executor, path: str, start: int, chunk:
         finally:
             os.close(fd)
     except OSError as e:  # its errno tells the tier a transient error
-        return "oserror", e.errno, str(e)
+        return "oserror", e.errno, e.strerror, e.filename
+    except MemoryError:  # transient too
+        return ("memory",)
     except Exception as e:
         return "error", f"{type(e).__name__}: {e}"
 
@@ -57,10 +57,6 @@ def serve(conn: Connection, views: list[memoryview], parts: Executor) -> None:
 
 def main(args: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when readers stop
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the engine died before prctl took effect
-        return
     views = []
     for fd, size in args["chunks"]:
         views.append(memoryview(mmap.mmap(fd, size)))

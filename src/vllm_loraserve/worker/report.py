@@ -89,8 +89,10 @@ class PoolCounters:
     # path: the workers with the csrc/ op on a GPU, or on the CPU).
     sync_free_jobs: int = 0
     # --loraserve-read-in processes: the host tier's reader processes alive
-    # now, and how many replaced one that died (0, 0: reads on its threads).
+    # now, the files they read, and how many replaced one that died, hung or
+    # was interrupted (all 0: reads on the tier's threads).
     reader_processes: int = 0
+    reader_reads: int = 0
     reader_respawns: int = 0
 
 
