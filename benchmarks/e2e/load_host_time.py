@@ -13,10 +13,11 @@ GPU, its host time grows with `--busy-ms`. Under torch's sync debug mode, each
 synchronizing torch call is counted, and the first one's stack is kept.
 `--readers` runs host-tier reads beside the loads (the engine's reader
 threads share its process, and its GIL; `--read-in processes` reads in
-reader processes instead, as `--loraserve-read-in processes` does); `--free-gb` leaves the device
-nearly full, as an engine's KV cache does (the caching allocator's retries
-and frees are reported); `--switch-us` sets the Python thread switch interval,
-how long a thread that wants the GIL waits before asking its holder for it.
+reader processes instead, as `--loraserve-read-in processes` does);
+`--free-gb` leaves the device nearly full, as an engine's KV cache does
+(the caching allocator's retries and frees are reported); `--switch-us`
+sets the Python thread switch interval, how long a thread that wants the
+GIL waits before asking its holder for it.
 `--paths` picks the load paths timed, as the engine takes them:
 - `torch`: the file's bytes copied, packed with torch (`pack_layers`), the
   pages written (`--loraserve-pack torch`);
