@@ -507,22 +507,24 @@ def test_values_that_pass_are_screened_as_they_are_read(tmp_path, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_screen_reads_max_abs_value_from_the_bits(dtype):
     """`abs_max_bits` agrees with torch's max|x|, in every dtype the pools
-    serve: negative values and -0, subnormals, the largest finite value,
-    Inf of either sign and NaN (which wins over Inf), across its chunks."""
+    serve: all negative, all positive, -0, subnormals, the largest finite
+    value, Inf of either sign and NaN (which wins over Inf)."""
     name = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[dtype]
     info = torch.finfo(dtype)
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(3 * peft._BITS_CHUNK + 5, generator=g) * 100).to(dtype)
+    x = (torch.randn(100_003, generator=g) * 100).to(dtype)
 
     def screen(t):
         return peft.abs_max_bits(t.view(torch.uint8).numpy(), name)
 
     assert screen(x) == float(x.abs().max()) and screen(x[:0]) == 0
+    for one_sign in (x.abs(), -x.abs(), -x.abs() / 1e3 + 1e-3):
+        assert screen(one_sign) == float(one_sign.abs().max())
     x[-1] = -info.max
     assert screen(x) == info.max
     tiny = torch.tensor([-0.0, info.smallest_normal / 4, -info.smallest_normal / 2], dtype=dtype)
     assert screen(tiny) == float(tiny.abs().max()) > 0
-    x[peft._BITS_CHUNK + 1] = -math.inf
+    x[70_001] = -math.inf
     assert screen(x) == math.inf
     x[7] = math.nan
     assert math.isnan(screen(x))

@@ -294,26 +294,28 @@ def _abs_max(t: Any) -> float:
 # the bits of +Inf): with the sign bit cleared, non-negative floats order as
 # their bits do, and bits above +Inf's are NaN.
 _FLOAT_BITS = {"BF16": ("uint16", 0x7F80), "F16": ("uint16", 0x7C00), "F32": ("uint32", 0x7F800000)}
-_BITS_CHUNK = 1 << 19  # values a step of `abs_max_bits` takes (its scratch: 1-2 MiB)
 
 
 def abs_max_bits(buf: Any, dtype: str) -> float:
     """max|value| of the `dtype` values (a `_FLOAT_BITS` name) in the bytes
     `buf` (a buffer of whole values): nan if one is NaN, else inf if one is
-    Inf; 0 if empty. Integer operations on the bits (sign cleared, then the
-    largest), in numpy, which releases the GIL: one pass, without torch, so
-    the host tier's reader processes run it too (worker/reader_proc.py)."""
+    Inf; 0 if empty. From the bits, without torch, so the host tier's reader
+    processes run it too (worker/reader_proc.py): two reductions in numpy,
+    each one pass that releases the GIL once. Read as unsigned, a negative
+    value's bits are the sign bit plus its magnitude's, above every positive
+    value's: the largest is the sign bit plus the largest negative magnitude,
+    if any value is negative. Read as signed, the largest is the largest
+    positive magnitude, if any value is positive (else it is negative)."""
     import numpy as np
 
     kind, inf = _FLOAT_BITS[dtype]
-    ints = np.frombuffer(buf, dtype=kind)
-    magnitude = np.iinfo(kind).max >> 1
-    scratch = np.empty(min(ints.size, _BITS_CHUNK), dtype=kind)
-    top = 0
-    for i in range(0, ints.size, _BITS_CHUNK):
-        part = scratch[:min(_BITS_CHUNK, ints.size - i)]
-        np.bitwise_and(ints[i:i + part.size], magnitude, out=part)
-        top = max(top, int(part.max()))
+    unsigned = np.frombuffer(buf, dtype=kind)
+    if not unsigned.size:
+        return 0.0
+    sign = 1 << (8 * unsigned.itemsize - 1)
+    top_unsigned = int(unsigned.max())
+    top_signed = int(unsigned.view(kind.replace("u", "")).max())
+    top = max(top_signed, top_unsigned - sign, 0)
     if top > inf:
         return math.nan
     if top == inf:
