@@ -551,13 +551,8 @@ def read_weights(path: str, alloc: Any, max_value: float | None = None,
             if files is not None:  # one request: the reader splits it over its own threads
                 results = files.read_spans(st_path, start, data, spans, screen)
             else:
-                view = memoryview(data.numpy())
-                fd = os.open(st_path, os.O_RDONLY)
-                try:
-                    results = map_all(parts, lambda s: read_span(fd, view, start, *s, screen),
-                                       spans)
-                finally:
-                    os.close(fd)
+                results = read_file_spans(st_path, start, memoryview(data.numpy()), spans,
+                                          screen, parts)
         except OSError as e:  # its cause tells a transient error (worker/host_tier.py)
             raise AdapterError(f"{SAFETENSORS_FILE} in {spec.path} is unreadable: {e}") from e
         if sum(got for got, _ in results) != size:
@@ -629,6 +624,18 @@ def read_span(fd: int, view: memoryview, start: int, lo: int, hi: int, screen: s
     (`abs_max_bits`; None without), while they are in the cache."""
     got = _pread_into(fd, view, start, lo, hi)  # short: the caller finds the file changed
     return got, abs_max_bits(view[lo:hi], screen) if screen and got == hi - lo else None
+
+
+def read_file_spans(path: str, start: int, view: memoryview, spans: list[tuple[int, int]],
+                    screen: str | None, parts: Executor | None) -> list[tuple[int, float | None]]:
+    """`read_span` of file `path` into `view` for each of `spans`, split
+    over `parts` (`map_all`): the read of this process's threads, and of a
+    reader process (worker/reader_proc.py)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return map_all(parts, lambda s: read_span(fd, view, start, *s, screen), spans)
+    finally:
+        os.close(fd)
 
 
 def map_all(parts: Executor | None, fn: Any, items: list) -> list:

@@ -32,7 +32,6 @@ Invariants:
 
 from __future__ import annotations
 
-import bisect
 import errno
 import json
 import logging
@@ -50,7 +49,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from vllm_loraserve.worker.cpu_lora.shm import SharedSegment
+from vllm_loraserve.worker.cpu_lora.shm import SegmentIndex, SharedSegment
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -105,9 +104,7 @@ class ReaderProcesses:
         if processes < 1:
             raise ValueError(f"reader processes must be at least 1, got {processes}")
         self._chunks, self._threads, self._timeout_s = list(chunks), threads, timeout_s
-        # Chunks by start address (they never overlap): a lookup is one bisect.
-        self._by_address = sorted((c.address, i) for i, c in enumerate(self._chunks))
-        self._starts = [a for a, _ in self._by_address]
+        self._index = SegmentIndex(self._chunks)
         self._all: list[_Reader] = []  # every live reader, for the finalizer
         self._idle: queue.SimpleQueue[_Reader] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -202,12 +199,10 @@ class ReaderProcesses:
         return reader.conn.recv()
 
     def _locate(self, dest: torch.Tensor) -> tuple[int, int]:
-        address, nbytes = dest.data_ptr(), dest.numel() * dest.element_size()
-        i = bisect.bisect_right(self._starts, address) - 1
-        chunk = self._by_address[i][1] if i >= 0 else -1
-        if chunk < 0 or not self._chunks[chunk].contains(address, nbytes):
+        found = self._index.find(dest.data_ptr(), dest.numel() * dest.element_size())
+        if found is None:
             raise ValueError("the reader processes read only into the host tier's chunks")
-        return chunk, address - self._chunks[chunk].address
+        return found
 
     def read_spans(self, path: str, start: int, dest: torch.Tensor,
                    spans: list[tuple[int, int]], screen: str | None

@@ -169,9 +169,9 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                         "cpu-assist" and cfg.cpu_assist_workers >= 0 else None)
         arena = PinnedArena.for_budget(cfg.host_budget(), largest, pinned=cuda,
                                        make_chunk=self._shared)
-        self._files = (ReaderProcesses(self._shared.segments, cfg.read_threads)
-                       if readers_map else None)
+        self._files: ReaderProcesses | None = None
         if readers_map:
+            self._files = ReaderProcesses(self._shared.segments, cfg.read_threads)
             logger.warning("vllm-loraserve: --loraserve-read-in processes is experimental: "
                            "one of its three runs on an H200 stalled, unexplained "
                            "(docs/benchmarks/e2e.md, session 30)")

@@ -9,7 +9,7 @@ chunks, says "ready", then answers one request at a time: a file's read,
 [(bytes read, max|value| or None) per span]), or the error, as ("oserror",
 errno, text, file name), ("memory",) or ("error", text). It splits each
 read's spans over `threads` threads of its own (adapters/peft.py
-`map_all`: one file at a time, so one round trip, and one wait for the
+`read_file_spans`: one file at a time, so one round trip, and one wait for the
 engine's GIL, per adapter). It exits at the end of its socket: when the
 engine closes it, or dies (the kernel closes it then; a read under way
 finishes first). No torch here: it starts in a fraction of a second.
@@ -25,7 +25,7 @@ import sys
 from concurrent.futures import Executor, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
-from vllm_loraserve.adapters.peft import map_all, read_span
+from vllm_loraserve.adapters.peft import read_file_spans
 
 
 def read(views: list[memoryview], parts: Executor, path: str, start: int, chunk: int,
@@ -33,11 +33,7 @@ def read(views: list[memoryview], parts: Executor, path: str, start: int, chunk:
     """One request's reply."""
     try:
         view = views[chunk][offset:offset + max((hi for _, hi in spans), default=0)]
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            return "ok", map_all(parts, lambda s: read_span(fd, view, start, *s, screen), spans)
-        finally:
-            os.close(fd)
+        return "ok", read_file_spans(path, start, view, spans, screen, parts)
     except OSError as e:  # its errno tells the tier a transient error
         return "oserror", e.errno, e.strerror, e.filename
     except MemoryError:  # transient too

@@ -50,7 +50,6 @@ kernel kills with their engine (PR_SET_PDEATHSIG), go with it.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
 import subprocess
@@ -76,7 +75,7 @@ from vllm_loraserve.worker.cpu_lora.control import (
 from vllm_loraserve.worker.cpu_lora.cores import assist_cores, shares_vllm_cores
 from vllm_loraserve.worker.cpu_lora.doorbell import Doorbell
 from vllm_loraserve.worker.cpu_lora.proc import WorkerArgs
-from vllm_loraserve.worker.cpu_lora.shm import SharedSegment
+from vllm_loraserve.worker.cpu_lora.shm import SegmentIndex, SharedSegment
 from vllm_loraserve.worker.cpu_lora.split import split_rows
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -215,9 +214,7 @@ class CpuWorkerPool:
             self, _stop, self._procs, [*self._go, self._done], self.ctl.flags,
             [self._control_seg, self._io])
         self._weights = list(weights)
-        # Segments by start address (they never overlap): a lookup is one bisect.
-        self._by_address = sorted((w.address, i) for i, w in enumerate(self._weights, start=1))
-        self._starts = [a for a, _ in self._by_address]
+        self._index = SegmentIndex(self._weights)
         self.stats = PoolStats()
         self._lock = threading.RLock()  # wait() inside delta() reads failures under it
         self._next_job = 1
@@ -299,14 +296,11 @@ class CpuWorkerPool:
             return None
         span = (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) \
             * t.element_size()
-        j = bisect.bisect_right(self._starts, t.data_ptr()) - 1
-        if j < 0:
+        found = self._index.find(t.data_ptr(), span)
+        if found is None:
             return None
-        i = self._by_address[j][1]
-        segment = self._weights[i - 1]
-        if not segment.contains(t.data_ptr(), span):
-            return None
-        return _Loc(i, t.data_ptr() - segment.address, *t.stride(), DTYPE_CODE[t.dtype])
+        i, offset = found  # the workers' segment 0 is the io segment
+        return _Loc(i + 1, offset, *t.stride(), DTYPE_CODE[t.dtype])
 
     def _stage(self, ts: tuple[torch.Tensor, torch.Tensor]) -> list[_Loc]:
         locs, off = [], self._stage_off

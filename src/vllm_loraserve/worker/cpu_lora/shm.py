@@ -14,8 +14,10 @@ can hand the same segment to workers started later.
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -88,6 +90,27 @@ class SharedSegment:
             os.close(self.fd)
             self.fd = -1
         self.bytes = self._mmap = None
+
+
+class SegmentIndex:
+    """Which of `segments` (which never overlap) holds a range of addresses:
+    one bisect over their start addresses."""
+
+    def __init__(self, segments: Sequence[SharedSegment]) -> None:
+        self.segments = list(segments)
+        self._by_address = sorted((s.address, i) for i, s in enumerate(self.segments))
+        self._starts = [a for a, _ in self._by_address]
+
+    def find(self, address: int, nbytes: int) -> tuple[int, int] | None:
+        """(the segment's position in `segments`, the offset in it) of bytes
+        [address, address + nbytes), if one segment holds them all."""
+        j = bisect.bisect_right(self._starts, address) - 1
+        if j < 0:
+            return None
+        i = self._by_address[j][1]
+        if not self.segments[i].contains(address, nbytes):
+            return None
+        return i, address - self.segments[i].address
 
 
 class SharedChunks:
