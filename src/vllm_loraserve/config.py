@@ -93,9 +93,9 @@ class LoraServeConfig:
         "shares. 'processes' (experimental): in as many processes as "
         "--loraserve-read-threads, which map the tier's memory (shared memory, "
         "pinned at start-up). On an H200 it cut the engine thread's page-load "
-        "time 2.2x at pool-1000, but its throughput gain was within the runs' "
-        "spread, and one of its three runs stalled, unexplained "
-        "(docs/benchmarks/e2e.md, session 30).",
+        "time 2.2x at pool-1000 (Llama-2-7B q/k/v/o), but its throughput gain "
+        "was within the runs' spread, and one of its three runs stalled, "
+        "unexplained (docs/benchmarks/e2e.md, session 30).",
         flag="--loraserve-read-in",
         choices=("processes", "threads"),
     )
