@@ -6,6 +6,7 @@ loads the adapter again. With the worker's real host tier and a fake read."""
 from __future__ import annotations
 
 import errno
+import time
 from types import SimpleNamespace
 
 from vllm_loraserve.paging.step import REPORT_ATTR, PoolReport
@@ -70,8 +71,9 @@ def test_an_io_error_fails_the_waiting_request_and_the_next_one_reads_again():
         """Hints to the tier, its reads, its report to the scheduler."""
         for hint in s._host_plan()[0]:
             tier.prefetch(hint.lora_request, ALIGN)
-        for _ in range(50):
-            tier.wait_for_a_read(0.02)
+        deadline = time.monotonic() + 60
+        while tier.wait_for_a_read(0.02):
+            assert time.monotonic() < deadline, "the tier's read did not finish"
         s.take(tier.report())
         return s.update()
 

@@ -9,6 +9,7 @@ import errno
 import os
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -77,9 +78,12 @@ def step(t: HostTier, *ids: int) -> list[bool]:
     return hits
 
 
-def settle(t: HostTier) -> None:
-    for _ in range(100):
-        t.wait_for_a_read(0.05)
+def settle(t: HostTier, limit: float = 60.0) -> None:
+    """Until no background read is under way (a loaded CI machine can take
+    seconds), then the tier's invariants."""
+    deadline = time.monotonic() + limit
+    while t.wait_for_a_read(0.05):
+        assert time.monotonic() < deadline, "a background read did not finish"
     t.check()
 
 
@@ -140,6 +144,26 @@ def test_read_ahead_needs_room_beside_kept_entries_and_reads_under_way():
     assert sorted(t.ids()) == [0, 1, 2]
     # An empty tier with nothing under way admits any read.
     assert tier(pages=1).has_room(5 * ALIGN)
+
+
+def test_waiting_for_a_read_is_not_ended_by_a_finished_one():
+    """A finished read whose done callback has not run yet (its thread waits
+    for the GIL) must not end the wait for one still under way at once: CI
+    once saw a test take its reads as settled while one was still reading."""
+    from concurrent.futures import Future
+
+    t = tier(pages=3)
+    gate = threading.Event()
+    assert t.prefetch(Req(1, gate=gate), ALIGN)
+    finished: Future = Future()
+    finished.set_result(None)
+    t._reading[9] = finished, 0  # the finished read, its callback still to come
+    start = time.monotonic()
+    assert t.wait_for_a_read(0.2) is True  # read 1 is still under way
+    assert time.monotonic() - start >= 0.2
+    gate.set()
+    settle(t)
+    assert not t.wait_for_a_read(0.2) and t.ids() == [1]
 
 
 def test_a_background_read_gives_up_rather_than_evict_kept_entries():

@@ -349,12 +349,17 @@ class HostTier(Generic[T]):
             self._transient.discard(lora_id)
         return first
 
-    def wait_for_a_read(self, timeout: float) -> None:
-        """Wait until a background read finishes, at most `timeout` seconds."""
+    def wait_for_a_read(self, timeout: float) -> bool:
+        """Wait until a background read finishes, at most `timeout` seconds;
+        whether reads are still under way. A read counts until its future is
+        done (its entry or failure is recorded by then), not until its done
+        callback has run: a finished read whose callback waits for the GIL
+        must not end every later wait at once."""
         with self._lock:
-            reading = [f for f, _ in self._reading.values()]
+            reading = [f for f, _ in self._reading.values() if not f.done()]
         if reading:
             wait(reading, timeout=timeout, return_when=FIRST_COMPLETED)
+        return any(not f.done() for f in reading)
 
     def end_step(self) -> None:
         """The engine thread's uses so far are all issued: close their epoch."""
