@@ -32,9 +32,10 @@ def test_profile_cpu_engine(tiny_assets, tmp_path):
     profile = Profile.load(out)
     assert set(profile.step.coef) == set(FEATURES)
     assert all(v >= 0 for v in profile.step.coef.values())
-    # More prompt tokens take longer: 16 against 256 (at 16 against 64 the
-    # slope was within a 2-core machine's timing noise, and the fit gave 0).
-    assert profile.step.coef["prefill_tokens"] > 0
+    # The fitted slopes are timings: on a shared 2-core CI machine even 16
+    # against 256 prompt tokens fitted a prefill slope of 0 once. That the fit
+    # recovers them is tested on synthetic samples (tests/perf/test_model.py);
+    # here, that the engine's samples are what was asked for.
     assert set(profile.operating_points) == {8, 32}
     assert all(v > 0 for v in profile.operating_points.values())
     assert {"all_steps", "decode_mbgmv", "prefill_mbgmv"} <= set(profile.fit_r2)
@@ -42,4 +43,10 @@ def test_profile_cpu_engine(tiny_assets, tmp_path):
     samples = json.loads((tmp_path / "profile.samples.json").read_text())
     # 2 batch sizes x 3 mixes (r8, r32, mixed): a decode point and 2 prefill points each
     assert len(samples) == 2 * 3 * 3
-    assert all(s["seconds"] > 0 for s in samples)
+    prefill = [s for s in samples if s["prefill"]]
+    assert {p[0] for s in prefill for p in s["prefill"]} == {16, 256}
+    assert {len(s["prefill"]) for s in prefill} == {1, 4}  # the batch sizes
+    # A prefill sample is a run's wall time; a decode one a difference of two
+    # (clamped at 0 where noise made it negative).
+    assert all(s["seconds"] > 0 for s in prefill)
+    assert all(s["seconds"] >= 0 for s in samples)

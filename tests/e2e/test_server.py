@@ -8,6 +8,7 @@ import json
 import os
 import random
 import shutil
+import time
 
 import httpx
 import openai
@@ -308,6 +309,50 @@ def test_adapters_broken_on_disk_after_their_checks_fail_alone(server, victims, 
 def test_unknown_adapter_is_404(server):
     r = _complete(server, "no-such-adapter")
     assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
+
+
+def _prefetch(url, name):
+    return httpx.post(f"{url}/loraserve/v1/adapters/{name}/prefetch", timeout=60)
+
+
+def _until(answer, done, limit=60.0):
+    """`answer()` again until `done(its result)`, at most `limit` seconds."""
+    deadline = time.monotonic() + limit
+    while not done(result := answer()):
+        assert time.monotonic() < deadline, f"still {result}"
+        time.sleep(0.2)
+    return result
+
+
+def test_prefetch_reads_an_adapter_into_the_host_tier_and_reports_a_bad_one(server):
+    """The prefetch route reads an adapter from disk into the workers' host
+    tier with no request (202 while it reads, 200 once there); an adapter
+    whose read fails gets 400 with why, and so do its requests; unknown and
+    invalid names are refused as a request naming them would be."""
+    on_disk = sorted(n for n, a in _adapters(server).items()
+                     if a["status"] == "ready" and a["residency"] == "disk"
+                     and n.startswith("adapter-"))
+    assert on_disk, "every adapter is already off disk: nothing to prefetch"
+    name = on_disk[0]
+    r = _prefetch(server, name)
+    assert r.status_code in (200, 202) and r.json()["state"] in ("host", "reading"), r.text
+    _until(lambda: _adapters(server)[name]["residency"], lambda tier: tier == "host")
+    r = _prefetch(server, name)
+    assert (r.status_code, r.json()["state"]) == (200, "host"), r.text
+    assert _complete(server, name).status_code == 200
+
+    # Its header passes the checks; its one Inf weight is found by the read.
+    r = _until(lambda: _prefetch(server, INF_WEIGHTS), lambda r: r.status_code != 202)
+    assert r.status_code == 400, r.text
+    assert "holds non-finite values (NaN or Inf)" in r.json()["error"]["message"]
+    r = _complete(server, INF_WEIGHTS)
+    assert r.status_code == 400 and "holds non-finite values" in r.json()["error"]["message"]
+
+    r = _prefetch(server, "no-such-adapter")
+    assert r.status_code == 404 and "unknown LoRA adapter" in r.json()["error"]["message"]
+    r = _prefetch(server, "rank-256")
+    assert r.status_code == 400 and "rank 256" in r.json()["error"]["message"]
+    assert _complete(server, "adapter-001-r16").status_code == 200
 
 
 def test_runtime_load_checks_and_unload_frees(server, tiny_assets, runtime_root):

@@ -7,6 +7,7 @@ scheduler heard."""
 
 from __future__ import annotations
 
+import errno
 import threading
 from collections import deque
 from types import SimpleNamespace
@@ -100,4 +101,44 @@ def test_a_page_write_error_is_sticky_unless_transient(error, transient):
     assert m.report().transient == ({5} if transient else set())
     assert (5 in m.report().failed) is not transient
     assert tokens(m, 5) == {5}
+    m.host.shutdown()
+
+
+def test_warm_reads_into_the_host_tier_and_says_where_the_adapter_stands():
+    """The prefetch route's worker side: a background read when the tier has
+    room beside the entries waiting requests need ("reading", then "host"),
+    "no-room" when it has none (nothing read), a failed read's reason."""
+    gate = threading.Event()
+    m = manager(lambda: None)
+    bad = OSError(errno.EIO, "disk gone")  # transient: an I/O error
+
+    def read(req, alloc):
+        alloc(req.nbytes)
+        if req.lora_int_id == 1:
+            assert gate.wait(10)
+        if req.lora_int_id == 3:
+            raise bad
+        return SimpleNamespace(placement=PLACEMENT)
+
+    m.host = HostTier(PinnedArena(4 * ALIGN, 1, pinned=False), read, threads=1)
+
+    def req(lora_id, pages):
+        return SimpleNamespace(lora_int_id=lora_id, lora_name=f"a{lora_id}",
+                               nbytes=pages * ALIGN)
+
+    assert m.warm(req(1, 3), 3 * ALIGN) == ("reading", None)
+    assert m.warm(req(1, 3), 3 * ALIGN) == ("reading", None)  # not read twice
+    assert m.warm(req(2, 2), 2 * ALIGN) == ("no-room", None)  # 3 pages reserved of 4
+    gate.set()
+    while m.host.wait_for_a_read(0.05):
+        pass
+    assert m.warm(req(1, 3), 3 * ALIGN) == ("host", None) and 2 not in m.host
+    m.host.set_keep({1})  # a waiting request needs it: no room beside it for 2 pages
+    assert m.warm(req(2, 2), 2 * ALIGN) == ("no-room", None)
+    m.host.set_keep(())
+    assert m.warm(req(3, 1), ALIGN)[0] in ("reading", "failed")
+    while m.host.wait_for_a_read(0.05):
+        pass
+    state, reason = m.warm(req(3, 1), ALIGN)
+    assert state == "failed" and "disk gone" in reason and reason.endswith(TRANSIENT_NOTE)
     m.host.shutdown()

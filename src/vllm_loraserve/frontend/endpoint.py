@@ -32,8 +32,9 @@ from fastapi.responses import JSONResponse
 
 from vllm_loraserve._patching import wrap
 from vllm_loraserve.frontend import args as cli_args
-from vllm_loraserve.frontend import serving
+from vllm_loraserve.frontend import errors, serving
 from vllm_loraserve.frontend.metrics import metrics
+from vllm_loraserve.paging.step import TRANSIENT_NOTE
 from vllm_loraserve.worker.report import ResidencyReport
 
 logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
@@ -134,6 +135,59 @@ async def get_adapter(name: str, raw_request: Request) -> JSONResponse:
         return JSONResponse(status_code=404, content={"error": {
             "message": f"unknown LoRA adapter '{name}'", "type": "NotFoundError", "code": 404}})
     return JSONResponse({**entry.to_json(_roots()), "device_type": _device_type()})
+
+
+def _error_json(status: int, err_type: str, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {
+        "message": message, "type": err_type, "code": status}})
+
+
+@router.post("/adapters/{name}/prefetch")
+async def prefetch_adapter(name: str, raw_request: Request) -> JSONResponse:
+    """Read an adapter from disk into the workers' host tier before its first
+    request (a server's warm-up, or a client that knows what comes next).
+    202 while a read is under way, 200 once every worker holds it ("state":
+    "host"); 400 with the reason where a read found it unservable (then its
+    requests get 400 too), 503 where a read failed for a reason that is not
+    the adapter's (an I/O error: ask again), 409 where a host tier has no
+    room beside the adapters waiting requests need (the read is not queued:
+    ask again later). Nothing goes to the GPU here; the tier evicts what it
+    prefetched least recently used first, as any entry."""
+    state = raw_request.app.state
+    models = state.openai_serving_models
+    catalog = serving.catalog_of(models)
+    served = models.lora_requests.get(name)  # an alias serves a version's entry
+    entry = catalog.entries.get(served.lora_name if served is not None else name)
+    if entry is None:
+        return _error_json(404, "NotFoundError", f"unknown LoRA adapter '{name}'")
+    if entry.error is not None or served is None:
+        return _error_json(400, errors.ADAPTER_INVALID, serving.bad_adapter_message(
+            name, entry.error or "it is not served"))
+    if cli_args.active_config().pool != "paged":
+        return _error_json(400, "BadRequestError", "prefetch needs the paged pool "
+                           "(this server runs --loraserve-pool vllm)")
+    try:
+        answers = await state.engine_client.collective_rpc(
+            "loraserve_prefetch", args=(served.lora_name, served.lora_int_id,
+                                        served.lora_path, entry.spec.size_bytes))
+    except Exception as e:
+        return _engine_unavailable(e)
+    states = {a["state"] for a in answers}
+    failed = [a["reason"] for a in answers if a["state"] == "failed"]
+    if failed and failed[0].endswith(TRANSIENT_NOTE):  # an I/O error, say: not the adapter's
+        return _error_json(503, errors.ADAPTER_UNCHECKED,
+                           serving.bad_adapter_message(name, failed[0]))
+    if failed:  # as a request's failure would, its next requests get 400 at once
+        catalog.reject(entry.name, failed[0])
+        return _error_json(400, errors.ADAPTER_INVALID,
+                           serving.bad_adapter_message(name, failed[0]))
+    if "no-room" in states:
+        return _error_json(409, errors.HOST_TIER_FULL, f"LoRA adapter '{name}' not "
+                           "prefetched: the host tier has no room beside the adapters "
+                           "waiting requests need")
+    host = states == {"host"}
+    return JSONResponse(status_code=200 if host else 202,
+                        content={"name": name, "state": "host" if host else "reading"})
 
 
 class LoraServeEndpoint:

@@ -87,7 +87,7 @@ def catalog_of(models: Any) -> AdapterCatalog | None:
     return getattr(models, CATALOG_ATTR, None)
 
 
-def _bad_adapter_message(name: str, reason: str) -> str:
+def bad_adapter_message(name: str, reason: str) -> str:
     return f"LoRA adapter '{name}' cannot be served: {reason}"
 
 
@@ -99,7 +99,7 @@ def _error(message: str, err_type: str, status: HTTPStatus, param: str = "model"
 
 
 def _bad_adapter(name: str, reason: str) -> Any:
-    return _error(_bad_adapter_message(name, reason), errors.ADAPTER_INVALID,
+    return _error(bad_adapter_message(name, reason), errors.ADAPTER_INVALID,
                   HTTPStatus.BAD_REQUEST)
 
 
@@ -146,10 +146,10 @@ def note_engine_failure(req_state: Any, reason: str) -> None:
     for catalog in () if reason.endswith(TRANSIENT_NOTE) else _CATALOGS:
         entry = catalog.entries.get(name)
         if entry is not None and entry.spec is not None:
-            logger.error("%s (other adapters keep serving)", _bad_adapter_message(name, reason))
+            logger.error("%s (other adapters keep serving)", bad_adapter_message(name, reason))
             catalog.reject(name, reason)
     if req_state.queue is not None:  # AsyncLLM; the offline LLM returns the output
-        req_state.queue.put(VLLMValidationError(_bad_adapter_message(name, reason),
+        req_state.queue.put(VLLMValidationError(bad_adapter_message(name, reason),
                                                 parameter="model"))
 
 

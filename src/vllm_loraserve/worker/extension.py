@@ -27,6 +27,19 @@ class LoraServeWorkerExtension:
         """What adapters may target (module paths, shapes), for adapter checks."""
         return lora_modules(self._loraserve_lora_manager()._adapter_manager)
 
+    def loraserve_prefetch(self, name: str, lora_int_id: int, path: str,
+                           nbytes: int) -> dict[str, Any]:
+        """Start reading an adapter into this worker's host tier (the paged
+        pool's `warm`): {"state": host | reading | failed | no-room, "reason"}.
+        Plain arguments, not a LoRARequest: they cross the executor's wire."""
+        from vllm.lora.request import LoRARequest
+
+        manager = self._loraserve_lora_manager()
+        if not hasattr(manager, "warm"):
+            raise ValueError("prefetch needs the paged pool (not --loraserve-pool vllm)")
+        state, reason = manager.warm(LoRARequest(name, lora_int_id, path), nbytes)
+        return {"state": state, "reason": reason}
+
     def loraserve_residency(self) -> dict[str, Any]:
         """Adapter ids per tier and the load events since the last call: a
         `ResidencyReport` in its wire form (it leaves this process here)."""

@@ -227,6 +227,19 @@ class HostTier(Generic[T]):
         with self._lock:
             return set(self._failed)
 
+    def state(self, lora_id: int) -> tuple[str, str | None]:
+        """Where the adapter stands here: ("host", None) in the tier,
+        ("reading", None) a background read under way, ("failed", why), or
+        ("absent", None)."""
+        with self._lock:
+            if lora_id in self._entries:
+                return "host", None
+            if lora_id in self._reading:
+                return "reading", None
+            if lora_id in self._failed:
+                return "failed", self._failed[lora_id]
+            return "absent", None
+
     def report(self) -> PoolReport:
         """The adapters in the tier, or read since the last report even if
         evicted since (each finished read admits its requests at least once:

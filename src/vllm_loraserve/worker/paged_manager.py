@@ -320,6 +320,15 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         (else a later step's hint starts it)."""
         self.host.prefetch(hint.lora_request, self._entry_bytes(hint.pages))
 
+    def warm(self, lora_request: Any, nbytes: int) -> tuple[str, str | None]:
+        """Read an adapter into the host tier before any request needs it
+        (the API server's prefetch route): in the background, as a hint is,
+        if the tier has room for it beside the entries waiting requests need.
+        Where it stands then: HostTier.state's answer, or ("no-room", None)."""
+        started = self.host.prefetch(lora_request, nbytes)
+        state = self.host.state(lora_request.lora_int_id)
+        return ("no-room", None) if not started and state[0] == "absent" else state
+
     def _read_file(self, lora_request: Any, alloc: Alloc) -> HostAdapter:
         """Disk -> host tier (its reader, on a reader thread or in a step):
         the weights file's data in one buffer of the tier's arena (one copy
