@@ -15,6 +15,14 @@ adapters); pool-r8-single replays a one-adapter trace (adapter a0000, rank 8).
 `--cold-start MODE` starts the plugin configs with `--loraserve-cold-start
 MODE` (issue 24); without it they get the server's default.
 
+`--start-in host` starts the adapters in host memory instead of on disk
+(issue 24): before the replay, the plugin configs' adapters are prefetched
+(`POST /loraserve/v1/adapters/{name}/prefetch`) in the order of their first
+request in the trace, until the host tier has no room
+(`--host-cache-bytes`: its budget, else the server's default), and the
+replay starts once every read finished. How many made it is in the
+config's result (`prefetched`).
+
     python3 benchmarks/e2e/online_ttft.py --configs none,pool-100 --rate 12 --duration 60 --out $OUT
 
 Results: replay-CONFIG.json (every request, and the summary: TTFT, TPOT,
@@ -33,6 +41,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_e2e  # noqa: E402  (assets shared with the offline benchmark)
@@ -66,10 +76,12 @@ def loraserve_cli(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "vllm_loraserve.cli.main", *args], check=True)
 
 
-def pool_args(root: str, n: int, cold_start: str | None = None) -> list[str]:
+def pool_args(root: str, n: int, cold_start: str | None = None,
+              host_bytes: int | None = None) -> list[str]:
     """A plugin server's flags, serving the first n names of root/names
     (bench_e2e.write_adapters) from the directory root/served-N; `cold_start`:
-    its --loraserve-cold-start, or None for the server's default."""
+    its --loraserve-cold-start, or None for the server's default;
+    `host_bytes`: its host tier's budget, or None for the default."""
     served = os.path.join(root, f"served-{n}")  # just these names
     os.makedirs(served, exist_ok=True)
     for i in range(n):
@@ -79,17 +91,55 @@ def pool_args(root: str, n: int, cold_start: str | None = None) -> list[str]:
     # The served names are symlinks into root/names: a root adapters may resolve into.
     return [*LORA, "--max-loras", "1", "--plugin", "loraserve", "--loraserve-adapter-dir",
             served, "--loraserve-allowed-root", root,
-            *(["--loraserve-cold-start", cold_start] if cold_start else [])]
+            *(["--loraserve-cold-start", cold_start] if cold_start else []),
+            *(["--loraserve-host-cache-bytes", str(host_bytes)] if host_bytes else [])]
 
 
-def server_args(name: str, root: str, cold_start: str | None = None) -> list[str]:
+def prefetch(client: httpx.Client, trace: str, mapping: dict[str, str],
+             limit_s: float = 600, poll_s: float = 0.5) -> dict:
+    """Read the served adapters into the host tier (`client`: the server's
+    base URL), in the order of their first request in `trace`, until the
+    tier has no room (409); then wait until every read started has finished.
+    Counts of what happened."""
+    order = []
+    with open(trace) as f:
+        for line in f:
+            if line.strip() and (name := mapping[json.loads(line)["adapter"]]) not in order:
+                order.append(name)
+    done: dict[str, int] = {}
+
+    def ask(name: str) -> int:
+        return client.post(f"/loraserve/v1/adapters/{name}/prefetch").status_code
+
+    reading = []
+    for name in order:
+        status = ask(name)
+        if status == 409:
+            break
+        done[name] = status
+        if status == 202:
+            reading.append(name)
+    deadline = time.monotonic() + limit_s
+    while reading and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        for name in list(reading):
+            if (status := ask(name)) != 202:
+                done[name] = status
+                reading.remove(name)
+    return {"adapters": len(order), "in_host": sum(s == 200 for s in done.values()),
+            "failed": sum(s not in (200, 202) for s in done.values()),
+            "still_reading": len(reading)}
+
+
+def server_args(name: str, root: str, cold_start: str | None = None,
+                host_bytes: int | None = None) -> list[str]:
     n, plugin, adapters = CONFIGS[name]
     if not plugin and not adapters:
         return []
     if not plugin:
         return [*LORA, "--max-loras", "32", "--max-cpu-loras", str(n), "--lora-modules",
                 *(f"a{i:04d}={os.path.join(root, 'names', f'a{i:04d}')}" for i in range(n))]
-    return pool_args(root, n, cold_start)
+    return pool_args(root, n, cold_start, host_bytes)
 
 
 def model_map(name: str, catalog: str) -> dict[str, str]:
@@ -117,6 +167,10 @@ def main() -> None:
     ap.add_argument("--cold-start", choices=COLD_STARTS,
                     help="--loraserve-cold-start of the plugin configs (default: the "
                          "server's default)")
+    ap.add_argument("--start-in", choices=("disk", "host"), default="disk",
+                    help="where the plugin configs' adapters are when the replay starts")
+    ap.add_argument("--host-cache-bytes", type=int,
+                    help="--loraserve-host-cache-bytes of the plugin configs")
     a = ap.parse_args()
     # A time limit's SIGTERM unwinds through `finally`, which stops the server:
     # it runs in a session of its own, so nothing else would.
@@ -131,7 +185,8 @@ def main() -> None:
     bench_e2e.write_adapters(adapters, max(CONFIGS[c][0] for c in configs), shape,
                              bench_e2e.TARGETS["qkvo"][0], bench_e2e.DEFAULT_RANKS, 100)
     summary: dict = {"rate": a.rate, "duration": a.duration,
-                     "cold_start": a.cold_start or "server default", "configs": {}}
+                     "cold_start": a.cold_start or "server default", "start_in": a.start_in,
+                     "host_cache_bytes": a.host_cache_bytes, "configs": {}}
     for c in configs:
         n = CONFIGS[c][0]
         trace = os.path.join(a.out, f"trace-{n}.jsonl")
@@ -141,18 +196,25 @@ def main() -> None:
                           "--rate", str(a.rate), "--duration", str(a.duration), "--seed", "1",
                           "--out", trace)
         mapping = os.path.join(a.out, f"map-{c}.json")
-        json.dump(model_map(c, catalog), open(mapping, "w"))
+        served_as = model_map(c, catalog)
+        json.dump(served_as, open(mapping, "w"))
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         cmd = [vllm_executable(), "serve", model, *COMMON,
                "--host", "127.0.0.1", "--port", str(port),
-               *server_args(c, adapters, a.cold_start)]
+               *server_args(c, adapters, a.cold_start, a.host_cache_bytes)]
         server = Server(cmd, os.path.join(a.out, f"server-{c}.log"))
         result: dict = {"command": cmd[1:]}
         try:
             t = time.time()
             server.wait_ready(url, a.start_timeout_s, progress=False)
             result["start_s"] = round(time.time() - t, 1)
+            if a.start_in == "host" and CONFIGS[c][1] and CONFIGS[c][2]:
+                t = time.time()
+                with httpx.Client(base_url=url, timeout=60) as client:
+                    result["prefetched"] = prefetch(client, trace, served_as)
+                result["prefetch_s"] = round(time.time() - t, 1)
+                print(f"[online] {c}: prefetched {result['prefetched']}", flush=True)
             out = os.path.join(a.out, f"replay-{c}.json")
             loraserve_cli("bench", "replay", "--trace", trace, "--url", url, "--out", out,
                           "--model-map", mapping, "--token-id-min", "4", "--token-id-max",
