@@ -16,12 +16,12 @@ adapters); pool-r8-single replays a one-adapter trace (adapter a0000, rank 8).
 MODE` (issue 24); without it they get the server's default.
 
 `--start-in host` starts the adapters in host memory instead of on disk
-(issue 24): before the replay, the plugin configs' adapters are prefetched
-(`POST /loraserve/v1/adapters/{name}/prefetch`) in the order of their first
-request in the trace, until the host tier has no room
-(`--host-cache-bytes`: its budget, else the server's default), and the
-replay starts once every read finished. How many made it is in the
-config's result (`prefetched`).
+(issue 24): before the replay, the adapters of the trace's first requests
+are prefetched (`POST /loraserve/v1/adapters/{name}/prefetch`) into the host
+tier, as many as their files fit in `--host-cache-bytes` (the plugin
+configs' tier budget; without it, all, and the tier keeps those it can),
+one at a time, last-needed first, so that the tier's LRU evictions take
+the later ones. How many made it is in the config's result (`prefetched`).
 
     python3 benchmarks/e2e/online_ttft.py --configs none,pool-100 --rate 12 --duration 60 --out $OUT
 
@@ -96,39 +96,40 @@ def pool_args(root: str, n: int, cold_start: str | None = None,
 
 
 def prefetch(client: httpx.Client, trace: str, mapping: dict[str, str],
-             limit_s: float = 600, poll_s: float = 0.5) -> dict:
-    """Read the served adapters into the host tier (`client`: the server's
-    base URL), in the order of their first request in `trace`, until the
-    tier has no room (409); then wait until every read started has finished.
-    Counts of what happened."""
-    order = []
+             budget: int | None = None, limit_s: float = 120, poll_s: float = 0.2) -> dict:
+    """Fill the host tier (`client`: the server's base URL) with the adapters
+    of the trace's first requests. The tier evicts least recently read first,
+    and a prefetch evicts as a read does: so the adapters are read one at a
+    time, in the reverse order of their first request, each after the last
+    one's read finished, and those whose files' bytes do not fit in `budget`
+    (the tier's, if known) are not asked for. Counts of what happened, and
+    how many are in the host tier at the end (the server's listing)."""
+    order: list[str] = []
     with open(trace) as f:
         for line in f:
             if line.strip() and (name := mapping[json.loads(line)["adapter"]]) not in order:
                 order.append(name)
-    done: dict[str, int] = {}
-
-    def ask(name: str) -> int:
-        return client.post(f"/loraserve/v1/adapters/{name}/prefetch").status_code
-
-    reading = []
+    listed = {a["name"]: a for a in
+              client.get("/loraserve/v1/adapters").raise_for_status().json()["adapters"]}
+    wanted, used = [], 0
     for name in order:
-        status = ask(name)
-        if status == 409:
+        used += listed[name]["size_bytes"]
+        if budget is not None and used > budget:
             break
-        done[name] = status
-        if status == 202:
-            reading.append(name)
-    deadline = time.monotonic() + limit_s
-    while reading and time.monotonic() < deadline:
-        time.sleep(poll_s)
-        for name in list(reading):
-            if (status := ask(name)) != 202:
-                done[name] = status
-                reading.remove(name)
-    return {"adapters": len(order), "in_host": sum(s == 200 for s in done.values()),
-            "failed": sum(s not in (200, 202) for s in done.values()),
-            "still_reading": len(reading)}
+        wanted.append(name)
+    statuses: dict[str, int] = {}
+    for name in reversed(wanted):
+        deadline = time.monotonic() + limit_s
+        while (status := client.post(f"/loraserve/v1/adapters/{name}/prefetch").status_code) \
+                == 202 and time.monotonic() < deadline:
+            time.sleep(poll_s)
+        statuses[name] = status
+    listed = {a["name"]: a for a in
+              client.get("/loraserve/v1/adapters").raise_for_status().json()["adapters"]}
+    return {"adapters": len(order), "asked": len(wanted),
+            "in_host": sum(listed[n]["residency"] == "host" for n in wanted),
+            "by_status": {str(k): sum(s == k for s in statuses.values())
+                          for k in sorted(set(statuses.values()))}}
 
 
 def server_args(name: str, root: str, cold_start: str | None = None,
@@ -212,7 +213,8 @@ def main() -> None:
             if a.start_in == "host" and CONFIGS[c][1] and CONFIGS[c][2]:
                 t = time.time()
                 with httpx.Client(base_url=url, timeout=60) as client:
-                    result["prefetched"] = prefetch(client, trace, served_as)
+                    result["prefetched"] = prefetch(client, trace, served_as,
+                                                    a.host_cache_bytes)
                 result["prefetch_s"] = round(time.time() - t, 1)
                 print(f"[online] {c}: prefetched {result['prefetched']}", flush=True)
             out = os.path.join(a.out, f"replay-{c}.json")
