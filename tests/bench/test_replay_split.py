@@ -76,8 +76,10 @@ def test_stream_timings_against_a_stream_of_known_pace():
 
     out = asyncio.run(run())
     assert out.error is None and out.output_tokens == tokens and len(out.tbt_s) == tokens - 1
-    # sleeps never end early; the upper bounds leave 30% for a loaded machine
-    assert first_s <= out.ttft_s < first_s * 1.3
-    assert gap_s * 0.95 <= out.tpot_s < gap_s * 1.3
+    # Sleeps never end early, so lower bounds hold; a loaded CI machine can
+    # stretch any gap, so no upper bound on a timing. The formula is pinned
+    # by the equality: either wrong one above differs from it.
+    assert out.ttft_s >= first_s
+    assert out.tpot_s >= gap_s * 0.95
     assert out.tpot_s == pytest.approx(sum(out.tbt_s) / (tokens - 1))
     assert out.e2e_s >= first_s + (tokens - 1) * gap_s

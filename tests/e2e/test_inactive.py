@@ -45,7 +45,7 @@ def test_server_without_plugin_is_stock_vllm(tiny_assets, tmp_path):
     args = ["--max-lora-rank", "128", "--lora-modules", f"a={good}"]
     env = _probe_env(tmp_path)
     with vllm_server(os.path.join(tiny_assets, "model"), args, str(tmp_path), env=env) as url:
-        assert httpx.get(f"{url}/loraserve/v1/adapters").status_code == 404
+        assert httpx.get(f"{url}/loraserve/v1/adapters", timeout=120).status_code == 404
         # A CPU engine's first request loads the adapter: not within httpx's 5 s default.
         r = httpx.post(f"{url}/v1/completions", timeout=120,
                        json={"model": "a", "prompt": "hi", "max_tokens": 3})

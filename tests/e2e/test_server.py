@@ -37,6 +37,9 @@ BASE = "tiny"
 HOST_BYTES = 8 << 20
 
 
+# Inf weights as INF_WEIGHTS, for the prefetch test (INF_WEIGHTS's own first read
+# is a request's, in test_non_finite_adapters_are_400).
+INF_PREFETCH = "inf-weights-prefetch"
 # Good adapters, broken on disk after start-up by the test that uses them.
 VICTIMS = {"victim-truncated": "adapter-002-r32", "victim-deleted": "adapter-003-r64"}
 
@@ -60,6 +63,7 @@ def server(tiny_assets, victims, tmp_path_factory, runtime_root):
     bad = tmp_path_factory.mktemp("bad")
     build_bad_adapters(tiny_assets, str(bad))
     build_inf_weights(tiny_assets, str(bad))
+    shutil.copytree(bad / INF_WEIGHTS, bad / INF_PREFETCH)
     build_file_link(tiny_assets, str(bad), str(tmp_path_factory.mktemp("outside")))
     adapters = os.path.join(tiny_assets, "adapters")
     # One vLLM slot; 48 KV pages (47 usable) and an 8 MiB host tier hold a few
@@ -90,10 +94,11 @@ def _adapters(url):
 
 
 def test_models_lists_servable_adapters_only(server, tiny_assets):
-    ids = {m["id"] for m in httpx.get(f"{server}/v1/models").json()["data"]}
+    ids = {m["id"] for m in httpx.get(f"{server}/v1/models", timeout=120).json()["data"]}
     records = json.load(open(os.path.join(tiny_assets, "adapters.json")))
     # INF_WEIGHTS passes the header checks: servable until its first request reads it
-    assert ids - {INF_WEIGHTS} == {BASE, "static-ok", *VICTIMS, *(r["name"] for r in records)}
+    assert ids - {INF_WEIGHTS, INF_PREFETCH} == {BASE, "static-ok", *VICTIMS,
+                                                 *(r["name"] for r in records)}
 
 
 def test_adapter_listing_fields(server, tiny_assets):
@@ -113,9 +118,9 @@ def test_adapter_listing_fields(server, tiny_assets):
     assert listed["static-bad"]["status"] == "invalid"
     for name, reason in EXPECTED_REASONS.items():
         assert listed[name]["status"] == "invalid" and reason in listed[name]["error"]
-    one = httpx.get(f"{server}/loraserve/v1/adapters/adapter-002-r32").json()
+    one = httpx.get(f"{server}/loraserve/v1/adapters/adapter-002-r32", timeout=120).json()
     assert one["rank"] == 32
-    assert httpx.get(f"{server}/loraserve/v1/adapters/nope").status_code == 404
+    assert httpx.get(f"{server}/loraserve/v1/adapters/nope", timeout=120).status_code == 404
 
 
 def _pages(tiny_assets, name):
@@ -270,7 +275,7 @@ def test_adapters_broken_on_disk_after_their_checks_fail_alone(server, victims, 
     for name in breakers:
         late = runtime_root / name  # runtime loads read only under the adapter roots
         shutil.copytree(os.path.join(tiny_assets, "adapters", "adapter-005-r8"), late)
-        r = httpx.post(f"{server}/v1/load_lora_adapter",
+        r = httpx.post(f"{server}/v1/load_lora_adapter", timeout=120,
                        json={"lora_name": name, "lora_path": str(late)})
         assert r.status_code == 200, r.text
     for other in ("adapter-004-r128", "adapter-003-r64", "adapter-002-r32", "adapter-000-r8",
@@ -297,9 +302,10 @@ def test_adapters_broken_on_disk_after_their_checks_fail_alone(server, victims, 
     assert _complete(server, "adapter-001-r16").status_code == 200
     assert _complete(server, BASE).status_code == 200
     # Unloading the broken adapter clears its failure; its name can be reused.
-    r = httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "late-deleted"})
+    r = httpx.post(f"{server}/v1/unload_lora_adapter", timeout=120,
+                   json={"lora_name": "late-deleted"})
     assert r.status_code == 200, r.text
-    r = httpx.post(f"{server}/v1/load_lora_adapter", json={
+    r = httpx.post(f"{server}/v1/load_lora_adapter", timeout=120, json={
         "lora_name": "late-deleted",
         "lora_path": os.path.join(tiny_assets, "adapters", "adapter-005-r8")})
     assert r.status_code == 200, r.text
@@ -342,10 +348,11 @@ def test_prefetch_reads_an_adapter_into_the_host_tier_and_reports_a_bad_one(serv
     assert _complete(server, name).status_code == 200
 
     # Its header passes the checks; its one Inf weight is found by the read.
-    r = _until(lambda: _prefetch(server, INF_WEIGHTS), lambda r: r.status_code != 202)
+    r = _until(lambda: _prefetch(server, INF_PREFETCH), lambda r: r.status_code != 202)
     assert r.status_code == 400, r.text
     assert "holds non-finite values (NaN or Inf)" in r.json()["error"]["message"]
-    r = _complete(server, INF_WEIGHTS)
+    assert _adapters(server)[INF_PREFETCH]["status"] == "invalid"
+    r = _complete(server, INF_PREFETCH)
     assert r.status_code == 400 and "holds non-finite values" in r.json()["error"]["message"]
 
     r = _prefetch(server, "no-such-adapter")
@@ -358,7 +365,7 @@ def test_prefetch_reads_an_adapter_into_the_host_tier_and_reports_a_bad_one(serv
 def test_runtime_load_checks_and_unload_frees(server, tiny_assets, runtime_root):
     bad = runtime_root / "bad"
     build_bad_adapters(tiny_assets, str(bad))
-    r = httpx.post(f"{server}/v1/load_lora_adapter",
+    r = httpx.post(f"{server}/v1/load_lora_adapter", timeout=120,
                    json={"lora_name": "late-bad", "lora_path": str(bad / "wrong-base")})
     assert r.status_code == 400 and "does not fit this base model" in r.json()["error"]["message"]
     assert r.json()["error"]["type"] == errors.ADAPTER_INVALID
@@ -367,12 +374,13 @@ def test_runtime_load_checks_and_unload_frees(server, tiny_assets, runtime_root)
     assert _complete(server, "late-bad").status_code == 404
 
     good = os.path.join(tiny_assets, "adapters", "adapter-003-r64")
-    r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": good})
+    r = httpx.post(f"{server}/v1/load_lora_adapter", timeout=120,
+                   json={"lora_name": "late", "lora_path": good})
     assert r.status_code == 200, r.text
     assert _complete(server, "late").status_code == 200
     assert _adapters(server)["late"]["source"] == "runtime"
 
-    r = httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "late"})
+    r = httpx.post(f"{server}/v1/unload_lora_adapter", timeout=120, json={"lora_name": "late"})
     assert r.status_code == 200, r.text
     assert "late" not in _adapters(server)
     assert _complete(server, "late").status_code == 404
@@ -383,7 +391,7 @@ def test_failed_runtime_loads_do_not_accumulate(server, tiny_assets, runtime_roo
     build_bad_adapters(tiny_assets, str(bad))
     before = _adapters(server)
     for i, name in enumerate(sorted(EXPECTED_REASONS) * 3):
-        r = httpx.post(f"{server}/v1/load_lora_adapter",
+        r = httpx.post(f"{server}/v1/load_lora_adapter", timeout=120,
                        json={"lora_name": f"fail-{i}", "lora_path": str(bad / name)})
         assert r.status_code == 400 and EXPECTED_REASONS[name] in r.text, r.text
     assert _adapters(server).keys() == before.keys()
@@ -392,16 +400,16 @@ def test_failed_runtime_loads_do_not_accumulate(server, tiny_assets, runtime_roo
 
 def test_refused_duplicate_load_keeps_the_served_entry(server, tiny_assets):
     adapters = os.path.join(tiny_assets, "adapters")
-    r = httpx.post(f"{server}/v1/load_lora_adapter", json={
+    r = httpx.post(f"{server}/v1/load_lora_adapter", timeout=120, json={
         "lora_name": "dup", "lora_path": f"{adapters}/adapter-003-r64"})
     assert r.status_code == 200, r.text
-    r = httpx.post(f"{server}/v1/load_lora_adapter", json={
+    r = httpx.post(f"{server}/v1/load_lora_adapter", timeout=120, json={
         "lora_name": "dup", "lora_path": f"{adapters}/adapter-000-r8"})
     assert r.status_code == 400 and r.json()["error"]["type"] == errors.ADAPTER_LOADED, r.text
     entry = _adapters(server)["dup"]
     assert (entry["rank"], entry["path"]) == (64, "adapter-003-r64")
     assert _complete(server, "dup").status_code == 200
-    httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "dup"})
+    httpx.post(f"{server}/v1/unload_lora_adapter", timeout=120, json={"lora_name": "dup"})
 
 
 def test_load_outside_the_roots_is_403(server, tiny_assets, runtime_root, tmp_path):
@@ -412,17 +420,17 @@ def test_load_outside_the_roots_is_403(server, tiny_assets, runtime_root, tmp_pa
     file_link = build_file_link(tiny_assets, str(runtime_root), str(tmp_path))
     for path in (str(outside), f"{runtime_root}/../{tmp_path.name}/outside",
                  str(runtime_root / "link-out"), "/etc", file_link):
-        r = httpx.post(f"{server}/v1/load_lora_adapter",
+        r = httpx.post(f"{server}/v1/load_lora_adapter", timeout=120,
                        json={"lora_name": "escape", "lora_path": path})
         assert r.status_code == 403, (path, r.text)
         assert "outside the adapter roots" in r.json()["error"]["message"]
     assert "escape" not in _adapters(server)
     shutil.copytree(outside, runtime_root / "inside")
-    r = httpx.post(f"{server}/v1/load_lora_adapter", json={
+    r = httpx.post(f"{server}/v1/load_lora_adapter", timeout=120, json={
         "lora_name": "inside", "lora_path": str(runtime_root / "inside")})
     assert r.status_code == 200, r.text
     assert _complete(server, "inside").status_code == 200
-    httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "inside"})
+    httpx.post(f"{server}/v1/unload_lora_adapter", timeout=120, json={"lora_name": "inside"})
 
 
 @pytest.mark.parametrize("name, reason", [
@@ -434,7 +442,8 @@ def test_load_outside_the_roots_is_403(server, tiny_assets, runtime_root, tmp_pa
 ])
 def test_unsafe_adapter_names_are_400(server, tiny_assets, name, reason):
     good = os.path.join(tiny_assets, "adapters", "adapter-000-r8")
-    r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": good})
+    r = httpx.post(f"{server}/v1/load_lora_adapter", timeout=120,
+                   json={"lora_name": name, "lora_path": good})
     assert r.status_code == 400 and reason in r.json()["error"]["message"], r.text
     assert name not in _adapters(server)
     # base-model requests still go to the base model, listed once
@@ -468,20 +477,20 @@ def test_an_alias_never_shadows_another_adapter(server, tiny_assets, runtime_roo
     # shown relative to its root (the server's layout is none of a client's business)
     assert version.endswith("/line-1")
     assert _adapters(server)["ver@1"]["path"] == "line-1" and "ver" not in _adapters(server)
-    assert httpx.post(f"{server}/v1/unload_lora_adapter",
+    assert httpx.post(f"{server}/v1/unload_lora_adapter", timeout=120,
                       json={"lora_name": "ver@1"}).status_code == 200
     assert "ver" not in _model_ids(server)
 
     assert _load(server, "line", plain).status_code == 200
     assert _load(server, "line@1", version).status_code == 200
-    cards = {m["id"]: m for m in httpx.get(f"{server}/v1/models").json()["data"]}
+    cards = {m["id"]: m for m in httpx.get(f"{server}/v1/models", timeout=120).json()["data"]}
     assert cards["line"]["root"] == plain and cards["line@1"]["root"] == version
-    assert httpx.post(f"{server}/v1/unload_lora_adapter",
+    assert httpx.post(f"{server}/v1/unload_lora_adapter", timeout=120,
                       json={"lora_name": "line"}).status_code == 200
-    cards = {m["id"]: m for m in httpx.get(f"{server}/v1/models").json()["data"]}
+    cards = {m["id"]: m for m in httpx.get(f"{server}/v1/models", timeout=120).json()["data"]}
     assert cards["line"]["root"] == version  # the alias follows the version line now
     assert _complete(server, "line").status_code == 200
-    assert httpx.post(f"{server}/v1/unload_lora_adapter",
+    assert httpx.post(f"{server}/v1/unload_lora_adapter", timeout=120,
                       json={"lora_name": "line@1"}).status_code == 200
     assert not {"line", "line@1"} & set(_model_ids(server))
 
@@ -549,7 +558,7 @@ def test_same_name_load_unload_storm(server, tiny_assets, runtime_root):
     assert statuses.get(("request", 200), 0) >= 5, statuses
     ready, ids = _check_agreement(server)
     for name in paths:  # the storm's names go; nothing of them stays anywhere
-        httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": name})
+        httpx.post(f"{server}/v1/unload_lora_adapter", timeout=120, json={"lora_name": name})
     ready, ids = _check_agreement(server)
     assert not (set(paths) | {"wave"}) & (ready | ids)
 
@@ -562,11 +571,11 @@ def test_non_finite_adapters_are_400(server, tiny_assets, runtime_root):
     reader on the directory adapter's first request)."""
     nan_alpha = runtime_root / "nan"
     build_bad_adapters(tiny_assets, str(nan_alpha))
-    r = httpx.post(f"{server}/v1/load_lora_adapter", json={
+    r = httpx.post(f"{server}/v1/load_lora_adapter", timeout=120, json={
         "lora_name": "nan-rt", "lora_path": str(nan_alpha / "nan-alpha")})
     assert r.status_code == 400 and "finite number" in r.json()["error"]["message"]
     inf = build_inf_weights(tiny_assets, str(runtime_root))
-    r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "inf-rt",
+    r = httpx.post(f"{server}/v1/load_lora_adapter", timeout=120, json={"lora_name": "inf-rt",
                                                           "lora_path": inf})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"].startswith(
@@ -575,7 +584,7 @@ def test_non_finite_adapters_are_400(server, tiny_assets, runtime_root):
     assert "inf-rt" not in _adapters(server)  # a refused runtime load leaves nothing
     # finite, but B * scaling overflows the serving dtype
     huge = build_huge_alpha(tiny_assets, str(runtime_root))
-    r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "huge-rt",
+    r = httpx.post(f"{server}/v1/load_lora_adapter", timeout=120, json={"lora_name": "huge-rt",
                                                           "lora_path": huge})
     assert r.status_code == 400, r.text
     assert "the largest value of the serving dtype" in r.json()["error"]["message"]
@@ -590,7 +599,8 @@ def test_non_finite_adapters_are_400(server, tiny_assets, runtime_root):
     listed = _adapters(server)
     assert listed[INF_WEIGHTS]["status"] == "invalid"
     assert listed["nan-alpha"]["status"] == "invalid"
-    assert INF_WEIGHTS not in {m["id"] for m in httpx.get(f"{server}/v1/models").json()["data"]}
+    models = httpx.get(f"{server}/v1/models", timeout=120).json()["data"]
+    assert INF_WEIGHTS not in {m["id"] for m in models}
     assert _complete(server, "adapter-000-r8").status_code == 200
 
 
@@ -600,11 +610,11 @@ def test_load_metrics_keep_the_name_after_unload(server, tiny_assets):
     good = os.path.join(tiny_assets, "adapters", "adapter-002-r32")
 
     def cycle():
-        r = httpx.post(f"{server}/v1/load_lora_adapter",
+        r = httpx.post(f"{server}/v1/load_lora_adapter", timeout=120,
                        json={"lora_name": "churn", "lora_path": good})
         assert r.status_code == 200, r.text
         assert _complete(server, "churn").status_code == 200
-        r = httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "churn"})
+        r = httpx.post(f"{server}/v1/unload_lora_adapter", timeout=120, json={"lora_name": "churn"})
         assert r.status_code == 200, r.text
         return {labels: v for (name, labels), v in metric_samples(server).items()
                 if name == "loraserve_adapter_loads_total"}

@@ -39,7 +39,7 @@ def fake_read(req: Req, alloc) -> torch.Tensor:
     """The adapter's 'file' is `nbytes` bytes of its id."""
     buf = alloc(req.nbytes)
     if req.gate is not None:
-        assert req.gate.wait(5)
+        assert req.gate.wait(60)
     if req.error is not None:
         raise req.error
     buf.fill_(req.lora_int_id)
@@ -166,6 +166,33 @@ def test_waiting_for_a_read_is_not_ended_by_a_finished_one():
     assert not t.wait_for_a_read(0.2) and t.ids() == [1]
 
 
+def test_a_finished_read_whose_callback_is_late_reserves_nothing(monkeypatch):
+    """Every done callback 0.3 s late (its reader thread descheduled): once a
+    read's future is done, its adapter is in the tier for `state`, its room
+    is free for `has_room`, and a read of another adapter starts."""
+    from concurrent.futures import _base
+
+    invoke = _base.Future._invoke_callbacks
+
+    def late(self):
+        time.sleep(0.3)
+        invoke(self)
+
+    monkeypatch.setattr(_base.Future, "_invoke_callbacks", late)
+    t = tier(pages=2)
+    assert t.prefetch(Req(1, nbytes=2 * ALIGN), 2 * ALIGN)
+    deadline = time.monotonic() + 30
+    while t.state(1) != ("host", None):
+        assert time.monotonic() < deadline, t.state(1)
+        time.sleep(0.01)
+    assert t.report().host_ready == {1}  # 1 is no longer fresh: it may be evicted
+    assert t.has_room(2 * ALIGN)  # and nothing is reserved
+    assert not t.prefetch(Req(1), ALIGN)  # in the tier: not read again
+    assert t.prefetch(Req(2, nbytes=2 * ALIGN), 2 * ALIGN)
+    settle(t)
+    assert t.ids() == [2]
+
+
 def test_a_background_read_gives_up_rather_than_evict_kept_entries():
     """Its estimate was too small: it evicts what it may, finds no room
     beside the kept entry and gives up, with no failure; the step that
@@ -228,10 +255,10 @@ def test_a_read_overtaken_by_a_runtime_remove_commits_nothing():
     t = tier(pages=2)
     gate = threading.Event()
     assert t.prefetch(Req(0, gate=gate), ALIGN)
-    for _ in range(100):  # the read holds its extent
-        if t.arena.used:
-            break
-        threading.Event().wait(0.01)
+    deadline = time.monotonic() + 30
+    while not t.arena.used:  # the read holds its extent
+        assert time.monotonic() < deadline, "the read did not allocate"
+        time.sleep(0.01)
     assert t.arena.used == ALIGN
     assert not t.remove(0)
     gate.set()
@@ -529,19 +556,31 @@ def test_a_step_frees_its_own_memory_before_it_waits_for_a_read_in_the_backgroun
     gate = threading.Event()
     t = tier(pages=2)
     assert t.prefetch(Req(5, gate=gate), ALIGN)
+    deadline = time.monotonic() + 30
+    while t.arena.used < ALIGN:  # the background read holds its page
+        assert time.monotonic() < deadline, "the background read did not allocate"
+        time.sleep(0.01)
     t.get(Req(0))
-    release = threading.Timer(2.0, gate.set)  # a tier that waited would get its room then
-    release.start()
-    try:
-        with pytest.raises(StepOverflow):
+    raised: list[BaseException] = []
+
+    def step_read() -> None:
+        try:
             t.get(Req(1))
-        assert not gate.is_set(), "the step waited for the background read"
+        except BaseException as e:  # noqa: BLE001 (what it raised is the result)
+            raised.append(e)
+
+    reader = threading.Thread(target=step_read)
+    reader.start()
+    try:
+        reader.join(30)  # a tier that waited for the gated read would still wait
+        assert not reader.is_alive(), "the step waited for the background read"
+        assert len(raised) == 1 and isinstance(raised[0], StepOverflow), raised
         t.end_step()
         buf, _ = t.get(Req(1))
         assert bool((buf == 1).all())
     finally:
-        release.cancel()
         gate.set()
+        reader.join(30)
     t.end_step()
     settle(t)
 

@@ -232,6 +232,7 @@ class HostTier(Generic[T]):
         ("reading", None) a background read under way, ("failed", why), or
         ("absent", None)."""
         with self._lock:
+            self._forget_finished_reads()
             if lora_id in self._entries:
                 return "host", None
             if lora_id in self._reading:
@@ -266,7 +267,16 @@ class HostTier(Generic[T]):
         with self._lock:
             return self._has_room(self.arena.round(nbytes))
 
+    def _forget_finished_reads(self) -> None:
+        """Drop reads whose future is done (their entry or failure is recorded
+        by then) but whose done callback has not run yet, as it may not for a
+        while on a loaded machine: a finished read reserves no room and does
+        not make a new read of its adapter look under way. Under the lock."""
+        for lora_id in [i for i, (f, _) in self._reading.items() if f.done()]:
+            del self._reading[lora_id]
+
     def _has_room(self, size: int) -> bool:
+        self._forget_finished_reads()
         spare = self._keep | self._fresh
         kept = sum(e.extent.size for i, e in self._entries.items() if i in spare)
         reserved = sum(n for _, n in self._reading.values())
@@ -279,6 +289,7 @@ class HostTier(Generic[T]):
         lora_id = request.lora_int_id
         size = self.arena.round(nbytes)
         with self._lock:
+            self._forget_finished_reads()
             if lora_id in self._entries or lora_id in self._reading or \
                     lora_id in self._failed or not self._has_room(size):
                 return False
