@@ -11,6 +11,7 @@ import ctypes
 import filecmp
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -217,10 +218,7 @@ def test_nixl_protocol_round_trip_with_a_fake_agent(tiny_assets, tmp_path, recor
             assert _same_tree(holder.path(ADAPTER), target.path(ADAPTER))
             assert client_agent.reads == 1 and client_agent.handles == 0
             assert set(client.last_phases) == {"hold_s", "xfer_s", "copy_s", "store_s"}
-            for _ in range(500):  # the holder frees its copy once it reads DONE
-                if not holder_agent.registered:
-                    break
-                await asyncio.sleep(0.01)
+            await _wait_freed(holder_agent)  # the holder frees its copy once it reads DONE
             assert holder_agent.registered == [] and client_agent.registered == []
             assert client_agent.remotes == {}
             with pytest.raises(RuntimeError, match="could not send 'absent'"):
@@ -259,9 +257,10 @@ def test_nixl_client_uses_tcp_from_a_tcp_peer_with_one_log_line(tiny_assets, tmp
 
 
 async def _wait_freed(agent: FakeAgent) -> None:
-    for _ in range(500):  # the holder frees its copy once the client hangs up
-        if not agent.registered:
-            return
+    """Until the holder freed its copy (once the client read it or hung up),
+    at most 30 s: a loaded machine can take seconds."""
+    deadline = time.monotonic() + 30
+    while agent.registered and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
 
 
