@@ -44,6 +44,9 @@ class FakeEngine:
     # its server, when it is a process: health asks its /health (as the real
     # Engine does), restart starts it again
     process: UpstreamProcess | None = None
+    # How long its /health may take: generous, as a loaded CI machine can
+    # stall a healthy fake for seconds; a test of a hung engine shortens it.
+    health_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         self.url = self.url or f"http://fake-{self.index}"
@@ -56,7 +59,8 @@ class FakeEngine:
             return self.up
         try:
             async with httpx.AsyncClient() as client:
-                return (await client.get(f"{self.url}/health", timeout=1.0)).status_code == 200
+                return (await client.get(f"{self.url}/health",
+                                         timeout=self.health_timeout_s)).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -129,10 +133,16 @@ def _refusal(message: str, param: str | None) -> JSONResponse:
         "message": message, "type": "BadRequestError", "param": param, "code": 400}})
 
 
+# How long a "slow" answer takes: past what a test gives the router (0.5 s
+# upstream timeout, 6 s for a client that leaves) by more than a loaded CI
+# machine's stall.
+SLOW_S = 8.0
+
+
 def upstream_app(index: int, model_info: dict | None = None):
     """A stand-in for `vllm serve`: /v1/completions answers with its engine
     index; streams when asked; the prompt "break" drops the connection after
-    the first chunk (an engine dying mid-response); "slow" waits 3 s before
+    the first chunk (an engine dying mid-response); "slow" waits SLOW_S before
     answering (or after the first chunk when streaming); on engine `index`
     only, "hold-<index>" never answers (streamed: nothing after the headers)
     and "hold-after-first-<index>" streams one chunk, then nothing: requests
@@ -179,7 +189,7 @@ def upstream_app(index: int, model_info: dict | None = None):
                     "param": None, "code": status}})
         if not req.stream:
             if slow:
-                await asyncio.sleep(3)
+                await asyncio.sleep(SLOW_S)
             if hold:
                 await asyncio.Event().wait()
             return {"model": body["model"], "choices": [choice], "usage": usage}
@@ -191,7 +201,7 @@ def upstream_app(index: int, model_info: dict | None = None):
             if body.get("prompt") == f"hold-after-first-{index}":
                 await asyncio.Event().wait()
             if slow:
-                await asyncio.sleep(3)
+                await asyncio.sleep(SLOW_S)
             if body.get("prompt") == "break":
                 raise RuntimeError("engine died")
             if req.stream_options and req.stream_options.include_usage:
@@ -213,7 +223,7 @@ class UpstreamServer:
                                                     port=port, log_level="critical"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not self.server.started:
             assert time.monotonic() < deadline, "fake upstream did not start"
             time.sleep(0.02)

@@ -146,7 +146,7 @@ def test_killed_engine_in_flight_requests_no_adapter_lost_and_rejoin(upstreams):
 
         assert fault.engine == 0 and fault.held == sorted(CATALOG) and fault.unplaced == []
         assert fault.replaced == dict.fromkeys(sorted(CATALOG), [1])
-        assert 0 <= fault.detection_s < 5 and 0 <= fault.replacement_s < 5
+        assert 0 <= fault.detection_s < 30 and 0 <= fault.replacement_s < 30
         assert fault.first_served_s is not None and fault.rejoin_s is None
 
         # it comes back (its actor restarted it): the next check lets it rejoin,
@@ -172,6 +172,7 @@ def test_hung_engine_in_flight_requests_end_when_it_leaves_routing(upstreams):
     """A stopped engine keeps its connections open: its requests end when its
     health checks take it out of routing, not at the upstream timeout."""
     async def body(client, core, engines, world):
+        engines[0].health_timeout_s = 1.0  # the one that hangs; engine 1's stays generous
         ticks = asyncio.create_task(core.run())
         t0 = time.monotonic()
         plain = asyncio.create_task(client.post("/v1/completions",

@@ -373,7 +373,7 @@ def test_client_leaving_a_stream_releases_its_engine(upstreams, leave_after_s):
                  "path": "/v1/completions", "raw_path": b"/v1/completions",
                  "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
                  "server": ("router", 80), "headers": [(b"content-type", b"application/json")]}
-        await asyncio.wait_for(app(scope, receive, send), 2.5)  # the engine waits 3 s
+        await asyncio.wait_for(app(scope, receive, send), 6.0)  # the engine waits SLOW_S, 8 s
         assert not +core.inflight  # no engine has a request in flight
         assert sum(core.metrics.requests.labels("a8", str(e), "cancelled")._value.get()
                    for e in (0, 1)) == 1
