@@ -68,6 +68,10 @@ def test_replay_matches_server_metrics(tmp_path):
         _, trace = generators.loraserve(25, rate=3, duration=15, input_range=(16, 96),
                                         output_range=(8, 32), seed=11)
         mapping = replay.map_by_rank(trace, replay.served_adapters(url))
+        # Prefetch reads into the paged pool's host tier: refused with vLLM's slots.
+        r = httpx.post(f"{url}/loraserve/v1/adapters/{next(iter(mapping.values()))}/prefetch",
+                       timeout=60)
+        assert r.status_code == 400 and "needs the paged pool" in r.json()["error"]["message"]
         # Each adapter's first request also reads its tensors in the API
         # server (the NaN/Inf check), which the client sees and the engine's
         # TTFT does not: keep first requests out of the comparison.
