@@ -18,10 +18,9 @@ MODE` (issue 24); without it they get the server's default.
 `--start-in host` starts the adapters in host memory instead of on disk
 (issue 24): before the replay, the adapters of the trace's first requests
 are prefetched (`POST /loraserve/v1/adapters/{name}/prefetch`) into the host
-tier, as many as their files fit in `--host-cache-bytes` (the plugin
-configs' tier budget; without it, all, and the tier keeps those it can),
-one at a time, last-needed first, so that the tier's LRU evictions take
-the later ones. How many made it is in the config's result (`prefetched`).
+tier, one at a time in the order of their first request, until it is full
+(`--host-cache-bytes` sets the plugin configs' tier budget). How many made
+it is in the config's result (`prefetched`).
 
     python3 benchmarks/e2e/online_ttft.py --configs none,pool-100 --rate 12 --duration 60 --out $OUT
 
@@ -96,38 +95,31 @@ def pool_args(root: str, n: int, cold_start: str | None = None,
 
 
 def prefetch(client: httpx.Client, trace: str, mapping: dict[str, str],
-             budget: int | None = None, limit_s: float = 120, poll_s: float = 0.2) -> dict:
+             limit_s: float = 120, poll_s: float = 0.2) -> dict:
     """Fill the host tier (`client`: the server's base URL) with the adapters
-    of the trace's first requests. The tier evicts least recently read first,
-    and a prefetch evicts as a read does: so the adapters are read one at a
-    time, in the reverse order of their first request, each after the last
-    one's read finished, and those whose files' bytes do not fit in `budget`
-    (the tier's, if known) are not asked for. Counts of what happened, and
-    how many are in the host tier at the end (the server's listing)."""
+    of the trace's first requests: one at a time, in the order of their first
+    request, each after the last one's read finished, until the tier answers
+    409. An idle server's tier keeps every adapter read since its last step
+    (the prefetch route), so nothing read here is evicted here. Counts of
+    what happened, and how many are in the host tier at the end."""
     order: list[str] = []
     with open(trace) as f:
         for line in f:
             if line.strip() and (name := mapping[json.loads(line)["adapter"]]) not in order:
                 order.append(name)
-    listed = {a["name"]: a for a in
-              client.get("/loraserve/v1/adapters").raise_for_status().json()["adapters"]}
-    wanted, used = [], 0
-    for name in order:
-        used += listed[name]["size_bytes"]
-        if budget is not None and used > budget:
-            break
-        wanted.append(name)
     statuses: dict[str, int] = {}
-    for name in reversed(wanted):
+    for name in order:
         deadline = time.monotonic() + limit_s
         while (status := client.post(f"/loraserve/v1/adapters/{name}/prefetch").status_code) \
                 == 202 and time.monotonic() < deadline:
             time.sleep(poll_s)
         statuses[name] = status
+        if status == 409:
+            break
     listed = {a["name"]: a for a in
               client.get("/loraserve/v1/adapters").raise_for_status().json()["adapters"]}
-    return {"adapters": len(order), "asked": len(wanted),
-            "in_host": sum(listed[n]["residency"] == "host" for n in wanted),
+    return {"adapters": len(order), "asked": len(statuses),
+            "in_host": sum(listed[n]["residency"] == "host" for n in statuses),
             "by_status": {str(k): sum(s == k for s in statuses.values())
                           for k in sorted(set(statuses.values()))}}
 
@@ -213,8 +205,7 @@ def main() -> None:
             if a.start_in == "host" and CONFIGS[c][1] and CONFIGS[c][2]:
                 t = time.time()
                 with httpx.Client(base_url=url, timeout=60) as client:
-                    result["prefetched"] = prefetch(client, trace, served_as,
-                                                    a.host_cache_bytes)
+                    result["prefetched"] = prefetch(client, trace, served_as)
                 result["prefetch_s"] = round(time.time() - t, 1)
                 print(f"[online] {c}: prefetched {result['prefetched']}", flush=True)
             out = os.path.join(a.out, f"replay-{c}.json")

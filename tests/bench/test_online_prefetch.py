@@ -1,7 +1,6 @@
 """benchmarks/e2e/online_ttft.py `--start-in host` without a server: the
-adapters of the trace's first requests are prefetched one at a time, the
-last-needed first (the host tier evicts the least recently read), as many as
-the tier's budget holds."""
+adapters of the trace's first requests are prefetched one at a time, in the
+order of their first request, until the host tier answers 409."""
 
 from __future__ import annotations
 
@@ -18,13 +17,12 @@ import online_ttft  # noqa: E402
 sys.path.pop(0)
 
 
-def test_prefetch_fills_the_tier_last_needed_first_within_the_budget(tmp_path):
+def test_prefetch_in_first_use_order_one_at_a_time_until_the_tier_is_full(tmp_path):
     trace = tmp_path / "trace.jsonl"
     uses = ["r8-2", "r8-0", "r8-2", "r16-1", "r8-0", "r16-0", "r8-1"]
     trace.write_text("".join(json.dumps({"request_id": i, "arrival_s": i, "adapter": a}) + "\n"
                              for i, a in enumerate(uses)))
     mapping = {"r8-0": "a0", "r8-1": "a1", "r8-2": "a2", "r16-0": "a3", "r16-1": "a4"}
-    size = {"a0": 10, "a1": 10, "a2": 10, "a3": 20, "a4": 20}
     asked: list[str] = []
     reading = {"a0": 2}  # a0's read answers 202 twice more before it is in the tier
     host: set[str] = set()
@@ -32,8 +30,8 @@ def test_prefetch_fills_the_tier_last_needed_first_within_the_budget(tmp_path):
     def handler(request: httpx.Request) -> httpx.Response:
         if request.method == "GET":
             return httpx.Response(200, json={"adapters": [
-                {"name": n, "size_bytes": b, "residency": "host" if n in host else "disk"}
-                for n, b in size.items()]})
+                {"name": n, "residency": "host" if n in host else "disk"}
+                for n in mapping.values()]})
         name = request.url.path.split("/")[-2]
         asked.append(name)
         if reading.get(name):
@@ -41,15 +39,14 @@ def test_prefetch_fills_the_tier_last_needed_first_within_the_budget(tmp_path):
             return httpx.Response(202, json={"state": "reading"})
         if name == "a4":
             return httpx.Response(400)  # unservable
+        if name == "a3":
+            return httpx.Response(409)  # the tier is full
         host.add(name)
         return httpx.Response(200, json={"state": "host"})
 
     with httpx.Client(base_url="http://127.0.0.1:1", transport=httpx.MockTransport(handler)) as c:
-        # First uses: a2, a0, a4, a3, a1; 10 + 10 + 20 + 20 = 60 fit, a1 does not.
-        counts = online_ttft.prefetch(c, str(trace), mapping, budget=65, poll_s=0)
-        assert asked == ["a3", "a4", "a0", "a0", "a0", "a2"]  # one at a time, a0 until read
-        assert counts == {"adapters": 5, "asked": 4, "in_host": 3,
-                          "by_status": {"200": 3, "400": 1}}
-        asked.clear()
-        assert online_ttft.prefetch(c, str(trace), mapping, poll_s=0)["asked"] == 5
-        assert asked == ["a1", "a3", "a4", "a0", "a2"]  # no budget: all of them
+        counts = online_ttft.prefetch(c, str(trace), mapping, poll_s=0)
+    # First uses: a2, a0, a4, a3, a1; a0 asked until read; a1 not after the 409.
+    assert asked == ["a2", "a0", "a0", "a0", "a4", "a3"]
+    assert counts == {"adapters": 5, "asked": 4, "in_host": 2,
+                      "by_status": {"200": 2, "400": 1, "409": 1}}

@@ -147,6 +147,18 @@ def test_activate_refuses(kw, message):
         _activate(**kw)
 
 
+@pytest.mark.parametrize("var, value, message", [
+    ("VLLM_USE_V2_MODEL_RUNNER", "1", "V1 model runner"),
+    ("VLLM_LORA_ENABLE_DUAL_STREAM", "1", "unset VLLM_LORA_ENABLE_DUAL_STREAM"),
+])
+def test_activate_refuses_vllm_modes_the_pool_does_not_run(monkeypatch, var, value, message):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=message):
+        _activate(enable_lora=True, additional_config={"loraserve": {}})
+    # vLLM's own slots run them
+    _activate(enable_lora=True, additional_config={"loraserve": {"pool": "vllm"}})
+
+
 def test_unsupported_vllm_version_refuses():
     from vllm_loraserve.compat import UnsupportedVLLMVersion, check_supported
 

@@ -56,6 +56,7 @@ def manager(pack):
     m.prefetch_hits = m.prefetch_misses = m.dropped_events = 0
     m.load_pack_s = m.load_write_s = 0.0
     m._device_streams = pack
+    m._warming = set()
     return m
 
 
@@ -104,41 +105,99 @@ def test_a_page_write_error_is_sticky_unless_transient(error, transient):
     m.host.shutdown()
 
 
+def _warm_manager(read):
+    m = manager(lambda: None)
+    m.host = HostTier(PinnedArena(4 * ALIGN, 1, pinned=False), read, threads=1)
+    return m
+
+
+def _req(lora_id, pages=1):
+    return SimpleNamespace(lora_int_id=lora_id, lora_name=f"a{lora_id}", nbytes=pages * ALIGN)
+
+
+def _settle(m):
+    while m.host.wait_for_a_read(0.05):
+        pass
+
+
 def test_warm_reads_into_the_host_tier_and_says_where_the_adapter_stands():
     """The prefetch route's worker side: a background read when the tier has
-    room beside the entries waiting requests need ("reading", then "host"),
-    "no-room" when it has none (nothing read), a failed read's reason."""
+    room beside the entries it keeps ("reading", then "host"); "no-room"
+    beside a read under way, beside what waiting requests need, and beside
+    what was read since the last step (an idle server keeps what it
+    prefetched); once a step has reported it, a prefetch may evict it."""
     gate = threading.Event()
-    m = manager(lambda: None)
-    bad = OSError(errno.EIO, "disk gone")  # transient: an I/O error
 
     def read(req, alloc):
         alloc(req.nbytes)
         if req.lora_int_id == 1:
-            assert gate.wait(10)
-        if req.lora_int_id == 3:
-            raise bad
+            assert gate.wait(60)
         return SimpleNamespace(placement=PLACEMENT)
 
-    m.host = HostTier(PinnedArena(4 * ALIGN, 1, pinned=False), read, threads=1)
-
-    def req(lora_id, pages):
-        return SimpleNamespace(lora_int_id=lora_id, lora_name=f"a{lora_id}",
-                               nbytes=pages * ALIGN)
-
-    assert m.warm(req(1, 3), 3 * ALIGN) == ("reading", None)
-    assert m.warm(req(1, 3), 3 * ALIGN) == ("reading", None)  # not read twice
-    assert m.warm(req(2, 2), 2 * ALIGN) == ("no-room", None)  # 3 pages reserved of 4
+    m = _warm_manager(read)
+    assert m.warm(_req(1, 3), 3 * ALIGN) == ("reading", None)
+    assert m.warm(_req(1, 3), 3 * ALIGN) == ("reading", None)  # not read twice
+    assert m.warm(_req(2, 2), 2 * ALIGN) == ("no-room", None)  # 3 pages reserved of 4
     gate.set()
-    while m.host.wait_for_a_read(0.05):
-        pass
-    assert m.warm(req(1, 3), 3 * ALIGN) == ("host", None) and 2 not in m.host
-    m.host.set_keep({1})  # a waiting request needs it: no room beside it for 2 pages
-    assert m.warm(req(2, 2), 2 * ALIGN) == ("no-room", None)
+    _settle(m)
+    assert m.warm(_req(1, 3), 3 * ALIGN) == ("host", None)
+    assert m.warm(_req(2, 2), 2 * ALIGN) == ("no-room", None)  # 1 is fresh: kept
+    assert m.host.report().host_ready == {1}  # a step ran
+    m.host.set_keep({1})  # a waiting request needs it
+    assert m.warm(_req(2, 2), 2 * ALIGN) == ("no-room", None) and 1 in m.host
     m.host.set_keep(())
-    assert m.warm(req(3, 1), ALIGN)[0] in ("reading", "failed")
-    while m.host.wait_for_a_read(0.05):
-        pass
-    state, reason = m.warm(req(3, 1), ALIGN)
+    assert m.warm(_req(2, 2), 2 * ALIGN)[0] in ("reading", "host")
+    _settle(m)
+    assert m.warm(_req(2, 2), 2 * ALIGN) == ("host", None) and 1 not in m.host
+    m.host.shutdown()
+
+
+def test_warm_answers_a_transient_failure_once_and_reads_again():
+    """An I/O error is the ask's answer once, then forgotten: the next ask
+    reads again, and no step's report fails a request for it."""
+    errors = [OSError(errno.EIO, "disk gone")]
+
+    def read(req, alloc):
+        alloc(req.nbytes)
+        if errors:
+            raise errors.pop()
+        return SimpleNamespace(placement=PLACEMENT)
+
+    m = _warm_manager(read)
+    assert m.warm(_req(3), ALIGN)[0] in ("reading", "failed")
+    _settle(m)
+    state, reason = m.warm(_req(3), ALIGN)
     assert state == "failed" and "disk gone" in reason and reason.endswith(TRANSIENT_NOTE)
+    assert not m.host.report().failed  # forgotten: nothing for the scheduler
+    assert m.warm(_req(3), ALIGN)[0] in ("reading", "host")
+    _settle(m)
+    assert m.warm(_req(3), ALIGN) == ("host", None)
+    m.host.shutdown()
+
+
+def test_warm_says_no_room_where_its_read_gave_up_for_want_of_a_whole_extent():
+    """The tier's free bytes suffice but lie in two holes of one page (two
+    chunks of two pages, a kept entry in each): the background read gives
+    up, and nothing is under way, so the answer is "no-room", not "reading"."""
+    m = manager(lambda: None)
+
+    def read(req, alloc):
+        alloc(req.nbytes)
+        return SimpleNamespace(placement=PLACEMENT)
+
+    m.host = HostTier(PinnedArena(2 * ALIGN, 2, pinned=False), read, threads=1)
+    for i in (5, 6, 7):  # 5 and 6 share chunk 0 (best fit), 7 takes chunk 1
+        assert m.warm(_req(i), ALIGN)[0] in ("reading", "host")
+        _settle(m)
+    m.host.report()
+    assert m.host.remove(6)  # a hole of one page in each chunk
+    m.host.set_keep({5, 7})
+    assert m.host.has_room(2 * ALIGN)  # by bytes
+    first = m.warm(_req(8, 2), 2 * ALIGN)  # "no-room" if it gave up already
+    _settle(m)
+    if first[0] == "reading":  # the next ask finds it gave up
+        assert m.warm(_req(8, 2), 2 * ALIGN) == ("no-room", None)
+    else:
+        assert first == ("no-room", None)
+    assert sorted(m.host.ids()) == [5, 7]
     m.host.shutdown()

@@ -182,6 +182,12 @@ def activate(engine_args: Any) -> None:
         if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").lower() in ("1", "true"):
             raise ValueError("the loraserve pool runs on vLLM's V1 model runner: unset "
                              "VLLM_USE_V2_MODEL_RUNNER (or use --loraserve-pool vllm)")
+        if os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0").strip() not in ("", "0"):
+            # vLLM would then run each LoRA layer inside an op of its own, on a
+            # second stream: a path the pool's kernels and buffers were never
+            # run or tested on.
+            raise ValueError("the loraserve pool runs LoRA on the model's stream: unset "
+                             "VLLM_LORA_ENABLE_DUAL_STREAM (or use --loraserve-pool vllm)")
     engine_args.additional_config[ADDITIONAL_CONFIG_KEY] = cfg.to_dict()
     _active = cfg
     logger.info("vllm-loraserve active: %s", cfg)

@@ -149,10 +149,11 @@ async def prefetch_adapter(name: str, raw_request: Request) -> JSONResponse:
     202 while a read is under way, 200 once every worker holds it ("state":
     "host"); 400 with the reason where a read found it unservable (then its
     requests get 400 too), 503 where a read failed for a reason that is not
-    the adapter's (an I/O error: ask again), 409 where a host tier has no
-    room beside the adapters waiting requests need (the read is not queued:
-    ask again later). Nothing goes to the GPU here; the tier evicts what it
-    prefetched least recently used first, as any entry."""
+    the adapter's (an I/O error: the next ask reads again), 409 where a host
+    tier has no room beside the adapters it keeps: those waiting requests
+    need, and those read since the engine's last step, so that an idle
+    server keeps every adapter it prefetched (the read is not queued: ask
+    again later). Nothing goes to the GPU here."""
     state = raw_request.app.state
     models = state.openai_serving_models
     catalog = serving.catalog_of(models)
@@ -174,17 +175,20 @@ async def prefetch_adapter(name: str, raw_request: Request) -> JSONResponse:
         return _engine_unavailable(e)
     states = {a["state"] for a in answers}
     failed = [a["reason"] for a in answers if a["state"] == "failed"]
-    if failed and failed[0].endswith(TRANSIENT_NOTE):  # an I/O error, say: not the adapter's
-        return _error_json(503, errors.ADAPTER_UNCHECKED,
-                           serving.bad_adapter_message(name, failed[0]))
-    if failed:  # as a request's failure would, its next requests get 400 at once
-        catalog.reject(entry.name, failed[0])
+    sticky = [r for r in failed if not r.endswith(TRANSIENT_NOTE)]
+    if sticky:  # as a request's failure would, its next requests get 400 at once
+        if catalog.entries.get(entry.name) is entry:  # not unloaded or reloaded meanwhile
+            catalog.reject(entry.name, sticky[0])
         return _error_json(400, errors.ADAPTER_INVALID,
+                           serving.bad_adapter_message(name, sticky[0]))
+    if failed:  # an I/O error, say: not the adapter's; the next ask reads again
+        return _error_json(503, errors.ADAPTER_UNCHECKED,
                            serving.bad_adapter_message(name, failed[0]))
     if "no-room" in states:
         return _error_json(409, errors.HOST_TIER_FULL, f"LoRA adapter '{name}' not "
-                           "prefetched: the host tier has no room beside the adapters "
-                           "waiting requests need")
+                           "prefetched: the host tier has no room beside the adapters it "
+                           "keeps (those waiting requests need, and those read since the "
+                           "engine's last step)")
     host = states == {"host"}
     return JSONResponse(status_code=200 if host else 202,
                         content={"name": name, "state": "host" if host else "reading"})

@@ -241,6 +241,15 @@ class HostTier(Generic[T]):
                 return "failed", self._failed[lora_id]
             return "absent", None
 
+    def take_transient_failure(self, lora_id: int) -> str | None:
+        """The adapter's transient failure, if one is recorded, forgotten here
+        (its next read is a retry; no report carries it)."""
+        with self._lock:
+            if lora_id not in self._transient:
+                return None
+            self._transient.discard(lora_id)
+            return self._failed.pop(lora_id)
+
     def report(self) -> PoolReport:
         """The adapters in the tier, or read since the last report even if
         evicted since (each finished read admits its requests at least once:

@@ -24,7 +24,9 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.worker.pool import DevicePool
 
-_LAYERS: dict[int, PagedLinearLoRA] = {}  # key.data_ptr() -> its layer
+# key.data_ptr() -> its layer. The table holds every wrapper (and so its key)
+# for the process's life: no key is freed, so no two share an address.
+_LAYERS: dict[int, PagedLinearLoRA] = {}
 
 
 class PagedLinearLoRA:
@@ -32,8 +34,7 @@ class PagedLinearLoRA:
 
     def __init__(self, pool: DevicePool, layer: int, module: ModuleSlices) -> None:
         self.pool, self.layer, self.module = pool, layer, module
-        # Its own allocation, kept by the table: no other live key shares
-        # its address. On the pool's device, as the graph's other inputs.
+        # On the pool's device, as the graph's other inputs.
         self.key = torch.zeros(1, dtype=torch.int8, device=pool.device)
         _LAYERS[self.key.data_ptr()] = self
 

@@ -204,6 +204,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self._events: deque[LoadEvent] = deque(maxlen=MAX_BUFFERED_EVENTS)
         self.dropped_events = 0
         self.cold: ColdStart | None = None  # made with the pool, unless cold_start is block
+        self._warming: set[int] = set()  # adapters whose read `warm` started, under way
 
     # -- model wrapping -----------------------------------------------------
     def create_lora_manager(self, model: torch.nn.Module, vllm_config: Any) -> Any:
@@ -323,11 +324,28 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
     def warm(self, lora_request: Any, nbytes: int) -> tuple[str, str | None]:
         """Read an adapter into the host tier before any request needs it
         (the API server's prefetch route): in the background, as a hint is,
-        if the tier has room for it beside the entries waiting requests need.
-        Where it stands then: HostTier.state's answer, or ("no-room", None)."""
-        started = self.host.prefetch(lora_request, nbytes)
-        state = self.host.state(lora_request.lora_int_id)
-        return ("no-room", None) if not started and state[0] == "absent" else state
+        if the tier has room for it beside the entries it keeps. Where it
+        stands then: HostTier.state's answer, or ("no-room", None) where no
+        read is under way (none started, or one gave up for want of room).
+        A transient failure is answered once and forgotten: the next ask
+        reads again, and no later request fails for it."""
+        lora_id = lora_request.lora_int_id
+        reason = self.host.take_transient_failure(lora_id)
+        if reason is not None:
+            self._warming.discard(lora_id)
+            return "failed", reason
+        if self.host.state(lora_id)[0] == "absent" and lora_id in self._warming:
+            # The read the last ask started ended with no entry: it gave up
+            # for want of a whole extent (free bytes in pieces), or what it
+            # read was evicted since. No room; the ask after this reads again.
+            self._warming.discard(lora_id)
+            return "no-room", None
+        if self.host.prefetch(lora_request, nbytes):
+            self._warming.add(lora_id)
+        state = self.host.state(lora_id)
+        if state[0] != "reading":
+            self._warming.discard(lora_id)
+        return ("no-room", None) if state[0] == "absent" else state
 
     def _read_file(self, lora_request: Any, alloc: Alloc) -> HostAdapter:
         """Disk -> host tier (its reader, on a reader thread or in a step):
