@@ -89,9 +89,13 @@ async def _refresh(state: Any) -> None:
         m.record_waits(report.adapter_waits)
 
 
+def _error_json(status: int, err_type: str, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {
+        "message": message, "type": err_type, "code": status}})
+
+
 def _engine_unavailable(e: Exception) -> JSONResponse:
-    return JSONResponse(status_code=503, content={"error": {
-        "message": f"engine did not answer: {e}", "type": "ServiceUnavailable", "code": 503}})
+    return _error_json(503, "ServiceUnavailable", f"engine did not answer: {e}")
 
 
 @router.get("/adapters")
@@ -132,14 +136,8 @@ async def get_adapter(name: str, raw_request: Request) -> JSONResponse:
         return _engine_unavailable(e)
     entry = serving.catalog_of(state.openai_serving_models).entries.get(name)
     if entry is None:
-        return JSONResponse(status_code=404, content={"error": {
-            "message": f"unknown LoRA adapter '{name}'", "type": "NotFoundError", "code": 404}})
+        return _error_json(404, "NotFoundError", f"unknown LoRA adapter '{name}'")
     return JSONResponse({**entry.to_json(_roots()), "device_type": _device_type()})
-
-
-def _error_json(status: int, err_type: str, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {
-        "message": message, "type": err_type, "code": status}})
 
 
 @router.post("/adapters/{name}/prefetch")
