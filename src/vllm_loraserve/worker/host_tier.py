@@ -274,18 +274,19 @@ class HostTier(Generic[T]):
         entries and the reads under way, evicting only the others. An empty
         tier always has room (the arena's chunks hold any servable adapter)."""
         with self._lock:
+            self._forget_finished_reads()
             return self._has_room(self.arena.round(nbytes))
 
     def _forget_finished_reads(self) -> None:
-        """Drop reads whose future is done (their entry or failure is recorded
-        by then) but whose done callback has not run yet, as it may not for a
-        while on a loaded machine: a finished read reserves no room and does
-        not make a new read of its adapter look under way. Under the lock."""
+        """Drop the reads whose future is done (their entry or failure is
+        recorded by then): a finished read reserves no room and does not make
+        a new read of its adapter look under way. The future's being done is
+        the test, not a done callback, which a loaded machine may run late.
+        Under the lock, before any look at `_reading`'s reads under way."""
         for lora_id in [i for i, (f, _) in self._reading.items() if f.done()]:
             del self._reading[lora_id]
 
     def _has_room(self, size: int) -> bool:
-        self._forget_finished_reads()
         spare = self._keep | self._fresh
         kept = sum(e.extent.size for i, e in self._entries.items() if i in spare)
         reserved = sum(n for _, n in self._reading.values())
@@ -302,15 +303,7 @@ class HostTier(Generic[T]):
             if lora_id in self._entries or lora_id in self._reading or \
                     lora_id in self._failed or not self._has_room(size):
                 return False
-            future = self._readers.submit(self._read, request, True, True)
-            self._reading[lora_id] = future, size
-
-        def done(f: Future) -> None:
-            with self._lock:
-                if self._reading.get(lora_id, (None,))[0] is f:
-                    del self._reading[lora_id]
-
-        future.add_done_callback(done)
+            self._reading[lora_id] = self._readers.submit(self._read, request, True, True), size
         return True
 
     def get(self, request: Readable) -> tuple[T, bool]:
@@ -384,12 +377,10 @@ class HostTier(Generic[T]):
 
     def wait_for_a_read(self, timeout: float) -> bool:
         """Wait until a background read finishes, at most `timeout` seconds;
-        whether reads are still under way. A read counts until its future is
-        done (its entry or failure is recorded by then), not until its done
-        callback has run: a finished read whose callback waits for the GIL
-        must not end every later wait at once."""
+        whether reads are still under way (until their future is done)."""
         with self._lock:
-            reading = [f for f, _ in self._reading.values() if not f.done()]
+            self._forget_finished_reads()
+            reading = [f for f, _ in self._reading.values()]
         if reading:
             wait(reading, timeout=timeout, return_when=FIRST_COMPLETED)
         return any(not f.done() for f in reading)
