@@ -6,13 +6,14 @@ loads the adapter again. With the worker's real host tier and a fake read."""
 from __future__ import annotations
 
 import errno
-import time
 from types import SimpleNamespace
 
 from vllm_loraserve.paging.step import REPORT_ATTR, PoolReport
 from vllm_loraserve.scheduler.scheduler import PoolSchedulerMixin
 from vllm_loraserve.worker.arena import ALIGN, PinnedArena
 from vllm_loraserve.worker.host_tier import HostTier
+
+from ..worker.test_host_tier import settle
 
 
 class Pages:
@@ -71,9 +72,7 @@ def test_an_io_error_fails_the_waiting_request_and_the_next_one_reads_again():
         """Hints to the tier, its reads, its report to the scheduler."""
         for hint in s._host_plan()[0]:
             tier.prefetch(hint.lora_request, ALIGN)
-        deadline = time.monotonic() + 60
-        while tier.wait_for_a_read(0.02):
-            assert time.monotonic() < deadline, "the tier's read did not finish"
+        settle(tier)
         s.take(tier.report())
         return s.update()
 

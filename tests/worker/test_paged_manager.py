@@ -20,6 +20,8 @@ from vllm_loraserve.worker.arena import ALIGN, PinnedArena
 from vllm_loraserve.worker.host_tier import HostTier
 from vllm_loraserve.worker.paged_manager import PagedWorkerLoRAManager
 
+from .test_host_tier import settle
+
 PLACEMENT = SimpleNamespace(rank=8, num_pages=2)
 
 
@@ -115,11 +117,6 @@ def _req(lora_id, pages=1):
     return SimpleNamespace(lora_int_id=lora_id, lora_name=f"a{lora_id}", nbytes=pages * ALIGN)
 
 
-def _settle(m):
-    while m.host.wait_for_a_read(0.05):
-        pass
-
-
 def test_warm_reads_into_the_host_tier_and_says_where_the_adapter_stands():
     """The prefetch route's worker side: a background read when the tier has
     room beside the entries it keeps ("reading", then "host"); "no-room"
@@ -139,7 +136,7 @@ def test_warm_reads_into_the_host_tier_and_says_where_the_adapter_stands():
     assert m.warm(_req(1, 3), 3 * ALIGN) == ("reading", None)  # not read twice
     assert m.warm(_req(2, 2), 2 * ALIGN) == ("no-room", None)  # 3 pages reserved of 4
     gate.set()
-    _settle(m)
+    settle(m.host)
     assert m.warm(_req(1, 3), 3 * ALIGN) == ("host", None)
     assert m.warm(_req(2, 2), 2 * ALIGN) == ("no-room", None)  # 1 is fresh: kept
     assert m.host.report().host_ready == {1}  # a step ran
@@ -147,7 +144,7 @@ def test_warm_reads_into_the_host_tier_and_says_where_the_adapter_stands():
     assert m.warm(_req(2, 2), 2 * ALIGN) == ("no-room", None) and 1 in m.host
     m.host.set_keep(())
     assert m.warm(_req(2, 2), 2 * ALIGN)[0] in ("reading", "host")
-    _settle(m)
+    settle(m.host)
     assert m.warm(_req(2, 2), 2 * ALIGN) == ("host", None) and 1 not in m.host
     m.host.shutdown()
 
@@ -165,12 +162,12 @@ def test_warm_answers_a_transient_failure_once_and_reads_again():
 
     m = _warm_manager(read)
     assert m.warm(_req(3), ALIGN)[0] in ("reading", "failed")
-    _settle(m)
+    settle(m.host)
     state, reason = m.warm(_req(3), ALIGN)
     assert state == "failed" and "disk gone" in reason and reason.endswith(TRANSIENT_NOTE)
     assert not m.host.report().failed  # forgotten: nothing for the scheduler
     assert m.warm(_req(3), ALIGN)[0] in ("reading", "host")
-    _settle(m)
+    settle(m.host)
     assert m.warm(_req(3), ALIGN) == ("host", None)
     m.host.shutdown()
 
@@ -188,13 +185,13 @@ def test_warm_says_no_room_where_its_read_gave_up_for_want_of_a_whole_extent():
     m.host = HostTier(PinnedArena(2 * ALIGN, 2, pinned=False), read, threads=1)
     for i in (5, 6, 7):  # 5 and 6 share chunk 0 (best fit), 7 takes chunk 1
         assert m.warm(_req(i), ALIGN)[0] in ("reading", "host")
-        _settle(m)
+        settle(m.host)
     m.host.report()
     assert m.host.remove(6)  # a hole of one page in each chunk
     m.host.set_keep({5, 7})
     assert m.host.has_room(2 * ALIGN)  # by bytes
     first = m.warm(_req(8, 2), 2 * ALIGN)  # "no-room" if it gave up already
-    _settle(m)
+    settle(m.host)
     if first[0] == "reading":  # the next ask finds it gave up
         assert m.warm(_req(8, 2), 2 * ALIGN) == ("no-room", None)
     else:
