@@ -545,21 +545,28 @@ def test_register_copies_off_the_event_loop(upstreams, tiny_assets, tmp_path):
 
 def test_two_registrations_of_one_name_at_once_copy_one_adapter(upstreams, tiny_assets,
                                                                  tmp_path):
-    """Both pass the name check before either is registered: the second is
-    refused while the first is under way, and the registry holds the files
-    of the adapter the catalogue names (the second's copy would land on them)."""
+    """Both pass the name check before either is registered: the one that
+    arrives second is refused while the other is under way, and the registry
+    holds the files of the adapter the catalogue names (the refused one's
+    copy would land on them). The two requests race over two connections,
+    so either may arrive first."""
     registry = Registry(tmp_path / "registry", delay_s=0.5)
 
     async def body(client, core):
-        r8, r16 = (os.path.join(tiny_assets, "adapters", f"adapter-00{i}-r{r}")
-                   for i, r in ((0, 8), (1, 16)))
-        first, second = await asyncio.gather(
-            client.post("/admin/adapters", json={"name": "x", "path": r8}),
-            client.post("/admin/adapters", json={"name": "x", "path": r16}))
-        assert (first.status_code, second.status_code) == (200, 409), (first.text, second.text)
-        assert "registration of `x` is under way" in second.json()["error"]["message"]
-        assert core.catalog["x"] == 8 and registry.copied == [("x", os.path.realpath(r8))]
-        r = await client.post("/admin/adapters", json={"name": "x", "path": r16})
+        paths = {r: os.path.join(tiny_assets, "adapters", f"adapter-00{i}-r{r}")
+                 for i, r in ((0, 8), (1, 16))}
+        answers = dict(zip(paths, await asyncio.gather(
+            *(client.post("/admin/adapters", json={"name": "x", "path": p})
+              for p in paths.values())), strict=True))
+        codes = sorted(a.status_code for a in answers.values())
+        assert codes == [200, 409], [a.text for a in answers.values()]
+        won = next(r for r, a in answers.items() if a.status_code == 200)
+        other = 16 if won == 8 else 8
+        assert "registration of `x` is under way" in answers[other].json()["error"]["message"]
+        assert answers[won].json()["rank"] == won
+        assert core.catalog["x"] == won
+        assert registry.copied == [("x", os.path.realpath(paths[won]))]
+        r = await client.post("/admin/adapters", json={"name": "x", "path": paths[other]})
         assert r.status_code == 409 and "already registered" in r.json()["error"]["message"]
     run_router(upstreams, body, registry=registry,
                adapter_roots=[os.path.join(tiny_assets, "adapters")])
