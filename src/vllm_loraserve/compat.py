@@ -84,6 +84,7 @@ def _p(path: str, *params: str, why: str) -> Symbol:
 
 _OSM = "vllm.entrypoints.openai.models.serving:OpenAIServingModels"
 _SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
+_V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 _BGMV = ("inputs", "lora_b_weights", "output_tensor", "lora_indices_tensor")
 
 CONTRACT: tuple[Symbol, ...] = (
@@ -209,7 +210,7 @@ CONTRACT: tuple[Symbol, ...] = (
     _s("vllm.config.lora:LoRAConfig", attrs=("max_lora_rank", "max_loras", "lora_dtype")),
     # worker/hooks.py, worker/paged_manager.py, worker/residency.py
     _p("vllm.config:VllmConfig._get_v2_model_runner_unsupported_features", "self",
-       why="keep the pool on the V1 runner"),
+       why="keep the pool on the V1 runner (--loraserve-model-runner v1)"),
     _p("vllm.config:VllmConfig.compute_hash", "self",
        why="the compile cache is keyed by the plugin's compile fields only"),
     _s("vllm.config:VllmConfig", attrs=("additional_config",)),
@@ -233,6 +234,19 @@ CONTRACT: tuple[Symbol, ...] = (
     _s("vllm.v1.outputs:EMPTY_MODEL_RUNNER_OUTPUT",
        why="shared by token-less steps: copied before the PoolReport goes on it"),
     _s("vllm.v1.worker.gpu_model_runner:GPUModelRunner", attrs=("kv_caches", "lora_manager")),
+    # worker/hooks.py, the V2 runner (--loraserve-model-runner auto)
+    _p(f"{_V2}.initialize_kv_cache", "self", "kv_cache_config",
+       why="bind the pool to the KV cache"),
+    _p(f"{_V2}.execute_model", "self", "scheduler_output", "intermediate_tensors", "dummy_run",
+       "skip_attn_for_dummy_run", "is_profile",
+       why="apply the step's page decisions; carry the PoolReport back"),
+    _p(f"{_V2}.sample_tokens", "self",
+       why="the PoolReport on an output that sample_tokens brings"),
+    _s(f"{_V2}.execute_model", calls=("need_eager=is_profile", "_set_active_loras"),
+       why="is_profile is V2's one eager switch: a CPU-assisted step sets it"),
+    _s(f"{_V2}._dummy_run", calls=("dummy_run=True",),
+       why="V2's dummy runs reach execute_model marked, and pass through"),
+    _s(_V2, attrs=("kv_caches", "lora_manager")),
     _s("vllm.model_executor.models:supports_lora", "model"),
     _s("vllm.model_executor.models.utils:extract_layer_index", "layer_name"),
     _s("vllm.utils.torch_utils:direct_register_custom_op", "op_name", "op_func",

@@ -26,8 +26,10 @@ ADDITIONAL_CONFIG_KEY = "loraserve"
 # of the two (tests/worker/test_compile_key.py). The cold-start fields are
 # runtime fields: what a mode does happens inside the pool's custom op, which
 # is opaque to torch.compile (worker/paged_layer.py), and CUDA graphs, which
-# the mode does change, are captured anew at every start, never cached.
-COMPILE_FIELDS = ("pool", "kernel", "max_slots")
+# the mode does change, are captured anew at every start, never cached. The
+# model runner is a compile field: the two runners need not trace the same
+# graph, and their caches must not be taken for each other's.
+COMPILE_FIELDS = ("pool", "kernel", "max_slots", "model_runner")
 RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads", "read_in",
                   "pack",
                   "cold_start", "cold_start_group_layers", "cpu_assist_workers")
@@ -115,6 +117,17 @@ class LoraServeConfig:
         "Most adapters resident in the paged pool at once (the length of the "
         "per-step slot table the kernels read).",
         flag="--loraserve-max-slots",
+    )
+    model_runner: str = _opt(
+        "v1",
+        "Which of vLLM's GPU model runners serves the paged pool. 'v1': vLLM's "
+        "V1 runner, which every measurement of the pool used. 'auto' "
+        "(experimental, not yet run on a GPU; logged at start-up): vLLM's own "
+        "choice, its V2 runner for dense models, as vLLM's own LoRA gets. On an "
+        "H200 without LoRA, V1 gave 0.985 of V2's throughput "
+        "(docs/benchmarks/e2e.md, session 8).",
+        flag="--loraserve-model-runner",
+        choices=("auto", "v1"),
     )
     kernel: str = _opt(
         "auto",

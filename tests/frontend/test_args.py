@@ -159,6 +159,20 @@ def test_activate_refuses_vllm_modes_the_pool_does_not_run(monkeypatch, var, val
     _activate(enable_lora=True, additional_config={"loraserve": {"pool": "vllm"}})
 
 
+def test_the_v2_runner_is_opt_in(monkeypatch, caplog):
+    """--loraserve-model-runner auto lets vLLM's V2 runner serve the pool
+    (experimental: said at start-up), without data parallelism or speculative
+    decoding, which the pool has not run with on V2."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with caplog.at_level("WARNING", logger="vllm.vllm_loraserve.frontend.args"):
+        _activate(enable_lora=True, additional_config={"loraserve": {"model_runner": "auto"}})
+    assert "experimental, not yet run on a GPU" in caplog.text
+    for kw in ({"data_parallel_size": 2}, {"speculative_config": {"method": "ngram"}}):
+        with pytest.raises(ValueError, match="does not support data parallelism or speculative"):
+            _activate(enable_lora=True, additional_config={"loraserve": {"model_runner": "auto"}},
+                      **kw)
+
+
 def test_unsupported_vllm_version_refuses():
     from vllm_loraserve.compat import UnsupportedVLLMVersion, check_supported
 

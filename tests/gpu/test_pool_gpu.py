@@ -20,6 +20,9 @@ or fail by a lucky tie:
 The pool's engines run with vLLM's JIT monitor in error mode: a kernel
 compiled while serving (not in the pool's warm-up at bind) fails the run.
 
+With LORASERVE_MODEL_RUNNER=auto the pool's engines run on vLLM's V2 model
+runner (--loraserve-model-runner auto, experimental).
+
 Results (per-request deltas, divergences) go to
 $LORASERVE_RESULTS_DIR/gpu_pool.json, gpu_pool_ahead.json and gpu_pool_llama3.json.
 """
@@ -50,7 +53,9 @@ TOL = Bf16Tolerance()
 # An adapter whose effect is below this could be dropped unnoticed.
 MIN_EFFECT = 2 * TOL.mean
 # Any Triton compile after vLLM's warm-up raises in the engine (vllm/utils/jit_monitor.py).
-POOL = {"max_loras": 1, "additional_config": {"loraserve": {}}, "jit_monitor_mode": "error"}
+# LORASERVE_MODEL_RUNNER=auto runs the pool on vLLM's V2 runner (experimental).
+POOL = {"max_loras": 1, "jit_monitor_mode": "error", "additional_config": {"loraserve": {
+    "model_runner": os.environ.get("LORASERVE_MODEL_RUNNER", "v1")}}}
 
 
 @pytest.fixture(scope="module")

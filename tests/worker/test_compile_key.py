@@ -31,7 +31,8 @@ def test_runtime_fields_leave_the_compile_cache_key_alone():
                       cold_start_group_layers=2, cpu_assist_workers=3)
     assert runtime.compute_hash() == base
     assert _config(**LoraServeConfig().to_dict()).compute_hash() == base  # defaults spelled out
-    for changed in (dict(pool="vllm"), dict(kernel="torch"), dict(max_slots=64)):
+    for changed in (dict(pool="vllm"), dict(kernel="torch"), dict(max_slots=64),
+                    dict(model_runner="auto")):
         assert _config(**changed).compute_hash() != base, changed
     # The plugin's key still counts, and the config itself is left as it was.
     assert VllmConfig().compute_hash() != base

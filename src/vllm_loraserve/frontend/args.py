@@ -179,9 +179,21 @@ def activate(engine_args: Any) -> None:
             raise ValueError(f"the loraserve pool needs --scheduler-cls {POOL_SCHEDULER}; it "
                              f"cannot be combined with {sched} (or use --loraserve-pool vllm)")
         engine_args.scheduler_cls = POOL_SCHEDULER
-        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").lower() in ("1", "true"):
+        if cfg.model_runner == "v1" and \
+                os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").lower() in ("1", "true"):
             raise ValueError("the loraserve pool runs on vLLM's V1 model runner: unset "
-                             "VLLM_USE_V2_MODEL_RUNNER (or use --loraserve-pool vllm)")
+                             "VLLM_USE_V2_MODEL_RUNNER (or pass --loraserve-model-runner "
+                             "auto, experimental)")
+        if cfg.model_runner == "auto":
+            # V2 runs dummy batches through execute_model while serving under
+            # data parallelism, and its speculator after the forward pass: paths
+            # the pool has not run on either runner.
+            if (engine_args.data_parallel_size or 1) > 1 or engine_args.speculative_config:
+                raise ValueError("--loraserve-model-runner auto does not support data "
+                                 "parallelism or speculative decoding yet")
+            logger.warning("vllm-loraserve: --loraserve-model-runner auto lets vLLM pick "
+                           "its V2 runner for the paged pool: experimental, not yet run "
+                           "on a GPU")
         if os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0").strip() not in ("", "0"):
             # vLLM would then run each LoRA layer inside an op of its own, on a
             # second stream: a path the pool's kernels and buffers were never

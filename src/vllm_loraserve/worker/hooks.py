@@ -16,8 +16,15 @@ CPU-assisted is run eagerly: vLLM's V1 runner decides each step's CUDA
 graph mode in `_determine_batch_execution_and_padding`, whose `force_eager`
 (vLLM's own, for profiling and warm-up runs) the patch sets for that step.
 The V1 runner classes are patched (the CPU runner subclasses GPU V1). With
-the pool, vLLM is kept on its V1 runner: `VllmConfig` lists the pool among
-the features its V2 runner lacks, so vLLM logs that and picks V1.
+the pool, vLLM is kept on its V1 runner (`--loraserve-model-runner v1`, the
+default): `VllmConfig` lists the pool among the features its V2 runner
+lacks, so vLLM logs that and picks V1. With `auto` (experimental, not yet
+run on a GPU) vLLM picks as it would without the plugin, and the V2
+runner's `initialize_kv_cache`, `execute_model` and `sample_tokens` are
+wrapped as V1's are. V2 differs in two places: its own dummy runs (profile,
+warm-up, data-parallel padding) go through `execute_model`, and pass
+through untouched; and its one switch to run a step eagerly is
+`is_profile` (read only for `need_eager`), which a CPU-assisted step sets.
 `VllmConfig.compute_hash`, which keys vLLM's compile cache, counts the
 plugin's config by its compile key only (config.COMPILE_FIELDS).
 """
@@ -78,12 +85,15 @@ def _paged_manager(runner):
     return manager if isinstance(manager, PagedWorkerLoRAManager) else None
 
 
-def _make_initialize_kv_cache(initialize_kv_cache):
+def _make_initialize_kv_cache(initialize_kv_cache, runner: str = "V1"):
     def patched(self, kv_cache_config, *a, **kw):
         out = initialize_kv_cache(self, kv_cache_config, *a, **kw)
         manager = _paged_manager(self)
         if manager is not None and self.kv_caches:
             manager.bind_kv_cache(self.kv_caches)
+            if runner != "V1":
+                logger.warning("vllm-loraserve: the paged pool runs on vLLM's %s model "
+                               "runner: experimental, not yet run on a GPU", runner)
         return out
 
     return patched
@@ -131,6 +141,33 @@ def _make_execute_model(execute_model):
     return patched
 
 
+def _make_execute_model_v2(execute_model):
+    import inspect
+
+    signature = inspect.signature(execute_model)
+
+    def patched(self, *a, **kw):
+        manager = _paged_manager(self)
+        bound = signature.bind(self, *a, **kw)
+        if manager is None or bound.arguments.get("dummy_run"):
+            # V2's own dummy runs come through here; they carry no step.
+            return execute_model(*bound.args, **bound.kwargs)
+        from vllm_loraserve.paging.step import STEP_ATTR
+
+        scheduler_output = bound.arguments["scheduler_output"]
+        manager.apply_step(getattr(scheduler_output, STEP_ATTR, None),
+                           idle=scheduler_output.total_num_scheduled_tokens == 0)
+        if manager.force_eager:
+            bound.arguments["is_profile"] = True  # V2's only eager switch (need_eager)
+        try:
+            out = execute_model(*bound.args, **bound.kwargs)
+        finally:
+            manager.end_forward()  # before the report: a load may fail in the forward pass
+        return _with_report(manager, out)
+
+    return patched
+
+
 def _make_sample_tokens(sample_tokens):
     def patched(self, *a, **kw):
         out = sample_tokens(self, *a, **kw)
@@ -154,8 +191,8 @@ def _make_v2_unsupported(unsupported_features):
     def patched(self):
         out = unsupported_features(self)
         cfg = from_vllm_config(self)
-        if cfg is not None and cfg.pool == "paged":
-            out = [*out, "the loraserve paged pool"]
+        if cfg is not None and cfg.pool == "paged" and cfg.model_runner == "v1":
+            out = [*out, "the loraserve paged pool (--loraserve-model-runner v1)"]
         return out
 
     return patched
@@ -179,6 +216,7 @@ def _make_compute_hash(compute_hash):
 
 def install() -> None:
     from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu import model_runner as v2
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
 
@@ -190,3 +228,6 @@ def install() -> None:
     wrap(GPUModelRunner, "sample_tokens", _make_sample_tokens)
     wrap(GPUModelRunner, "_determine_batch_execution_and_padding",
          _make_determine_batch_execution)
+    wrap(v2.GPUModelRunner, "initialize_kv_cache", lambda f: _make_initialize_kv_cache(f, "V2"))
+    wrap(v2.GPUModelRunner, "execute_model", _make_execute_model_v2)
+    wrap(v2.GPUModelRunner, "sample_tokens", _make_sample_tokens)

@@ -1,0 +1,138 @@
+"""The paged pool's patches of vLLM's V2 model runner (--loraserve-model-runner
+auto). V2 cannot run on this machine (vLLM's CPU platform has no V2 runner
+it can start), so these check the wrapper against a stand-in for the
+runner's execute_model with the real method's signature: what reaches the
+original, and what the pool's manager is told, per kind of call."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from vllm.config import VllmConfig
+from vllm.v1.worker.gpu import model_runner as v2
+
+from vllm_loraserve._patching import original
+from vllm_loraserve.paging.step import REPORT_ATTR, STEP_ATTR
+from vllm_loraserve.worker import hooks
+from vllm_loraserve.worker.paged_manager import PagedWorkerLoRAManager
+
+V2_EXECUTE = original(v2.GPUModelRunner.execute_model)
+
+
+class Manager(PagedWorkerLoRAManager):
+    """The calls the hooks make, recorded (no pool behind them)."""
+
+    def __init__(self, force_eager: bool = False) -> None:  # noqa: D107 (no vLLM init)
+        self.calls: list[tuple] = []
+        self._force = force_eager
+
+    def apply_step(self, step, idle=False):
+        self.calls.append(("apply_step", step, idle))
+
+    def end_forward(self):
+        self.calls.append(("end_forward",))
+
+    @property
+    def force_eager(self):
+        return self._force
+
+    def report(self):
+        self.calls.append(("report",))
+        return "the report"
+
+
+class Runner:
+    def __init__(self, manager) -> None:
+        self.lora_manager = manager
+
+
+class Output:
+    pass
+
+
+class SchedulerOutput:
+    def __init__(self, tokens: int) -> None:
+        self.total_num_scheduled_tokens = tokens
+        setattr(self, STEP_ATTR, "the step")
+
+
+def _stand_in(fail: bool = False):
+    """execute_model with V2's signature: records how it was called."""
+    seen = []
+
+    def execute_model(*args, **kwargs):
+        bound = inspect.signature(V2_EXECUTE).bind(*args, **kwargs)
+        bound.apply_defaults()
+        seen.append(dict(bound.arguments))
+        if fail:
+            raise RuntimeError("the forward pass failed")
+        return Output()
+
+    execute_model.__signature__ = inspect.signature(V2_EXECUTE)
+    return hooks._make_execute_model_v2(execute_model), seen
+
+
+def test_a_step_applies_the_pool_step_runs_and_reports():
+    patched, seen = _stand_in()
+    manager = Manager()
+    out = patched(Runner(manager), SchedulerOutput(5))
+    assert manager.calls == [("apply_step", "the step", False), ("end_forward",), ("report",)]
+    assert getattr(out, REPORT_ATTR) == "the report"
+    assert [s["is_profile"] for s in seen] == [False]
+
+
+@pytest.mark.parametrize("call", [
+    lambda f, r, so: f(r, so, dummy_run=True, skip_attn_for_dummy_run=True, is_profile=True),
+    lambda f, r, so: f(r, so, None, True),  # dummy_run given by position
+])
+def test_v2s_own_dummy_runs_pass_through_untouched(call):
+    """V2's profile, warm-up and data-parallel padding runs carry no step: the
+    pool's host-tier bookkeeping must not see them (an apply_step(None)
+    would drop the keep set of the waiting requests' adapters)."""
+    patched, seen = _stand_in()
+    manager = Manager()
+    out = call(patched, Runner(manager), SchedulerOutput(5))
+    assert manager.calls == [] and not hasattr(out, REPORT_ATTR)
+    assert seen[0]["dummy_run"] is True
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_a_cpu_assisted_step_runs_eagerly_through_is_profile(positional):
+    patched, seen = _stand_in()
+    args = (None,) if positional else ()  # intermediate_tensors by position
+    patched(Runner(Manager(force_eager=True)), SchedulerOutput(5), *args)
+    assert seen[0]["is_profile"] is True and seen[0]["dummy_run"] is False
+    patched(Runner(Manager(force_eager=False)), SchedulerOutput(5), *args)
+    assert seen[1]["is_profile"] is False
+
+
+def test_the_forward_pass_ends_even_when_it_fails():
+    patched, _ = _stand_in(fail=True)
+    manager = Manager()
+    with pytest.raises(RuntimeError, match="failed"):
+        patched(Runner(manager), SchedulerOutput(5))
+    assert manager.calls == [("apply_step", "the step", False), ("end_forward",)]
+
+
+def test_a_token_less_step_is_idle_and_a_runner_without_the_pool_is_left_alone():
+    patched, seen = _stand_in()
+    manager = Manager()
+    patched(Runner(manager), SchedulerOutput(0))
+    assert manager.calls[0] == ("apply_step", "the step", True)
+    out = patched(Runner(object()), SchedulerOutput(5))  # vLLM's own LoRA manager
+    assert not hasattr(out, REPORT_ATTR) and len(seen) == 2
+
+
+def test_the_pool_keeps_vllm_on_v1_unless_asked():
+    hooks.install()
+    assert v2.GPUModelRunner.execute_model is not V2_EXECUTE  # wrapped
+
+    def unsupported(**loraserve):
+        return VllmConfig(additional_config={"loraserve": loraserve}) \
+            ._get_v2_model_runner_unsupported_features()
+
+    assert any("loraserve" in f for f in unsupported())
+    assert any("loraserve" in f for f in unsupported(model_runner="v1"))
+    assert not any("loraserve" in f for f in unsupported(model_runner="auto"))
+    assert not any("loraserve" in f for f in unsupported(pool="vllm"))
