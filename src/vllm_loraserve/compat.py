@@ -234,19 +234,6 @@ CONTRACT: tuple[Symbol, ...] = (
     _s("vllm.v1.outputs:EMPTY_MODEL_RUNNER_OUTPUT",
        why="shared by token-less steps: copied before the PoolReport goes on it"),
     _s("vllm.v1.worker.gpu_model_runner:GPUModelRunner", attrs=("kv_caches", "lora_manager")),
-    # worker/hooks.py, the V2 runner (--loraserve-model-runner auto)
-    _p(f"{_V2}.initialize_kv_cache", "self", "kv_cache_config",
-       why="bind the pool to the KV cache"),
-    _p(f"{_V2}.execute_model", "self", "scheduler_output", "intermediate_tensors", "dummy_run",
-       "skip_attn_for_dummy_run", "is_profile",
-       why="apply the step's page decisions; carry the PoolReport back"),
-    _p(f"{_V2}.sample_tokens", "self",
-       why="the PoolReport on an output that sample_tokens brings"),
-    _s(f"{_V2}.execute_model", calls=("need_eager=is_profile", "_set_active_loras"),
-       why="is_profile is V2's one eager switch: a CPU-assisted step sets it"),
-    _s(f"{_V2}._dummy_run", calls=("dummy_run=True",),
-       why="V2's dummy runs reach execute_model marked, and pass through"),
-    _s(_V2, attrs=("kv_caches", "lora_manager")),
     _s("vllm.model_executor.models:supports_lora", "model"),
     _s("vllm.model_executor.models.utils:extract_layer_index", "layer_name"),
     _s("vllm.utils.torch_utils:direct_register_custom_op", "op_name", "op_func",
@@ -280,6 +267,24 @@ CONTRACT: tuple[Symbol, ...] = (
     _s("torch.distributed.rendezvous:_rendezvous_handlers", why="loopback TCPStore"),
     _s("torch.distributed.rendezvous:default_pg_timeout"),
     _s("torch.distributed:TCPStore.__init__", why="master_listen_fd"),
+)
+
+# worker/hooks.py, the V2 runner (--loraserve-model-runner auto, experimental).
+# Apart from CONTRACT: a V2 that moved leaves the plugin on V1 (the default),
+# with a warning, and refuses `auto` only (worker/hooks.py, frontend/args.py).
+V2_CONTRACT: tuple[Symbol, ...] = (
+    _p(f"{_V2}.initialize_kv_cache", "self", "kv_cache_config",
+       why="bind the pool to the KV cache"),
+    _p(f"{_V2}.execute_model", "self", "scheduler_output", "intermediate_tensors", "dummy_run",
+       "skip_attn_for_dummy_run", "is_profile",
+       why="apply the step's page decisions; carry the PoolReport back"),
+    _p(f"{_V2}.sample_tokens", "self",
+       why="the PoolReport on an output that sample_tokens brings"),
+    _s(f"{_V2}.execute_model", calls=("need_eager=is_profile", "_set_active_loras"),
+       why="is_profile is V2's one eager switch: a CPU-assisted step sets it"),
+    _s(f"{_V2}._dummy_run", calls=("dummy_run=True",),
+       why="V2's dummy runs reach execute_model marked, and pass through"),
+    _s(_V2, attrs=("kv_caches", "lora_manager", "vllm_config")),
 )
 
 

@@ -161,16 +161,22 @@ def test_activate_refuses_vllm_modes_the_pool_does_not_run(monkeypatch, var, val
 
 def test_the_v2_runner_is_opt_in(monkeypatch, caplog):
     """--loraserve-model-runner auto lets vLLM's V2 runner serve the pool
-    (experimental: said at start-up), without data parallelism or speculative
-    decoding, which the pool has not run with on V2."""
+    (experimental: said at start-up), without data parallelism, speculative
+    decoding or V2's breakable graphs, which the pool has not run with on V2."""
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with caplog.at_level("WARNING", logger="vllm.vllm_loraserve.frontend.args"):
+    cli.logger.addHandler(caplog.handler)  # vLLM's loggers do not propagate to caplog's
+    try:
         _activate(enable_lora=True, additional_config={"loraserve": {"model_runner": "auto"}})
+    finally:
+        cli.logger.removeHandler(caplog.handler)
     assert "experimental, not yet run on a GPU" in caplog.text
     for kw in ({"data_parallel_size": 2}, {"speculative_config": {"method": "ngram"}}):
-        with pytest.raises(ValueError, match="does not support data parallelism or speculative"):
+        with pytest.raises(ValueError, match="does not support data parallelism, speculative"):
             _activate(enable_lora=True, additional_config={"loraserve": {"model_runner": "auto"}},
                       **kw)
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    with pytest.raises(ValueError, match="VLLM_USE_BREAKABLE_CUDAGRAPH"):
+        _activate(enable_lora=True, additional_config={"loraserve": {"model_runner": "auto"}})
 
 
 def test_unsupported_vllm_version_refuses():

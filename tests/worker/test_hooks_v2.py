@@ -6,6 +6,7 @@ original, and what the pool's manager is told, per kind of call."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -13,6 +14,7 @@ from vllm.config import VllmConfig
 from vllm.v1.worker.gpu import model_runner as v2
 
 from vllm_loraserve._patching import original
+from vllm_loraserve.config import LoraServeConfig
 from vllm_loraserve.paging.step import REPORT_ATTR, STEP_ATTR
 from vllm_loraserve.worker import hooks
 from vllm_loraserve.worker.paged_manager import PagedWorkerLoRAManager
@@ -136,3 +138,65 @@ def test_the_pool_keeps_vllm_on_v1_unless_asked():
     assert any("loraserve" in f for f in unsupported(model_runner="v1"))
     assert not any("loraserve" in f for f in unsupported(model_runner="auto"))
     assert not any("loraserve" in f for f in unsupported(pool="vllm"))
+
+
+def test_is_profile_is_read_only_for_the_eager_switch():
+    """The wrapper sets is_profile to run a CPU-assisted step eagerly; that is
+    all it may do in V2 (the signature and `need_eager=is_profile or ...`)."""
+    assert inspect.getsource(V2_EXECUTE).count("is_profile") == 2
+
+
+@contextlib.contextmanager
+def _logged(caplog):
+    """caplog sees hooks' log (vLLM's loggers do not propagate to it)."""
+    hooks.logger.addHandler(caplog.handler)
+    try:
+        yield
+    finally:
+        hooks.logger.removeHandler(caplog.handler)
+
+
+class KVManager(Manager):
+    def __init__(self, model_runner: str) -> None:
+        super().__init__()
+        self.cfg = LoraServeConfig(model_runner=model_runner)
+
+    def bind_kv_cache(self, kv_caches):
+        self.calls.append(("bind", kv_caches))
+
+
+def test_v2_binds_the_pool_only_when_asked(caplog):
+    """vLLM may take V2 before it asks what V2 lacks (VLLM_USE_V2_MODEL_RUNNER,
+    some speculative methods): with model_runner v1 the pool refuses to start
+    there; with auto it binds, and says it is experimental."""
+    bound = []
+    init = hooks._make_initialize_kv_cache(lambda self, cfg: bound.append(cfg), "V2")
+    runner = Runner(KVManager("v1"))
+    runner.kv_caches = ["layer 0"]
+    with pytest.raises(ValueError, match="chose its V2 model runner"):
+        init(runner, "kv config")
+    assert bound == [] and runner.lora_manager.calls == []
+    runner.lora_manager = KVManager("auto")
+    with _logged(caplog):
+        init(runner, "kv config")
+    assert bound == ["kv config"] and runner.lora_manager.calls == [("bind", ["layer 0"])]
+    assert "experimental, not yet run on a GPU" in caplog.text
+
+
+def test_a_moved_v2_leaves_the_pool_on_v1(monkeypatch, caplog):
+    """A vLLM whose V2 runner moved keeps serving the default (V1), says so,
+    and refuses `auto` with the reason."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_loraserve import compat
+    from vllm_loraserve.frontend import args
+
+    monkeypatch.setattr(compat, "V2_CONTRACT",
+                        (compat.Symbol(f"{compat._V2}.gone", patch=True),))
+    with _logged(caplog):
+        hooks.install()
+    assert "the pool runs on V1 only" in caplog.text and "gone is missing" in caplog.text
+    with pytest.raises(ValueError, match="V2 model runner is not the one.*gone is missing"):
+        args.activate(EngineArgs(model="m", enable_lora=True,
+                                 additional_config={"loraserve": {"model_runner": "auto"}}))
+    args.activate(EngineArgs(model="m", enable_lora=True, additional_config={"loraserve": {}}))

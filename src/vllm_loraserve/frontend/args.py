@@ -185,12 +185,21 @@ def activate(engine_args: Any) -> None:
                              "VLLM_USE_V2_MODEL_RUNNER (or pass --loraserve-model-runner "
                              "auto, experimental)")
         if cfg.model_runner == "auto":
+            from vllm_loraserve.compat import V2_CONTRACT, contract_problems
+
+            problems = contract_problems(V2_CONTRACT)
+            if problems:
+                raise ValueError("--loraserve-model-runner auto: this vLLM's V2 model runner "
+                                 "is not the one the plugin was written for: "
+                                 + "; ".join(problems))
             # V2 runs dummy batches through execute_model while serving under
-            # data parallelism, and its speculator after the forward pass: paths
-            # the pool has not run on either runner.
-            if (engine_args.data_parallel_size or 1) > 1 or engine_args.speculative_config:
+            # data parallelism, and its speculator after the forward pass;
+            # breakable graphs are V2's own: paths the pool has not run on.
+            if (engine_args.data_parallel_size or 1) > 1 or engine_args.speculative_config or \
+                    os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH", "0") not in ("", "0"):
                 raise ValueError("--loraserve-model-runner auto does not support data "
-                                 "parallelism or speculative decoding yet")
+                                 "parallelism, speculative decoding or "
+                                 "VLLM_USE_BREAKABLE_CUDAGRAPH yet")
             logger.warning("vllm-loraserve: --loraserve-model-runner auto lets vLLM pick "
                            "its V2 runner for the paged pool: experimental, not yet run "
                            "on a GPU")

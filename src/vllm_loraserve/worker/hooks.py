@@ -25,6 +25,10 @@ wrapped as V1's are. V2 differs in two places: its own dummy runs (profile,
 warm-up, data-parallel padding) go through `execute_model`, and pass
 through untouched; and its one switch to run a step eagerly is
 `is_profile` (read only for `need_eager`), which a CPU-assisted step sets.
+V2's patches go in only where V2 is as compat.V2_CONTRACT expects (else the
+pool stays on V1, and `auto` is refused); with `v1`, a config for which
+vLLM takes V2 anyway (VLLM_USE_V2_MODEL_RUNNER, some speculative methods)
+is refused at the KV cache's binding.
 `VllmConfig.compute_hash`, which keys vLLM's compile cache, counts the
 plugin's config by its compile key only (config.COMPILE_FIELDS).
 """
@@ -87,13 +91,19 @@ def _paged_manager(runner):
 
 def _make_initialize_kv_cache(initialize_kv_cache, runner: str = "V1"):
     def patched(self, kv_cache_config, *a, **kw):
-        out = initialize_kv_cache(self, kv_cache_config, *a, **kw)
         manager = _paged_manager(self)
+        if manager is not None and runner != "V1":
+            if manager.cfg.model_runner == "v1":
+                # vLLM takes V2 before it asks what V2 lacks in some configs
+                # (VLLM_USE_V2_MODEL_RUNNER, some speculative methods).
+                raise ValueError("vLLM chose its V2 model runner for this config, and the "
+                                 "loraserve pool runs on V1 (--loraserve-model-runner v1); "
+                                 "--loraserve-model-runner auto runs it on V2, experimental")
+            logger.warning("vllm-loraserve: the paged pool runs on vLLM's %s model runner: "
+                           "experimental, not yet run on a GPU", runner)
+        out = initialize_kv_cache(self, kv_cache_config, *a, **kw)
         if manager is not None and self.kv_caches:
             manager.bind_kv_cache(self.kv_caches)
-            if runner != "V1":
-                logger.warning("vllm-loraserve: the paged pool runs on vLLM's %s model "
-                               "runner: experimental, not yet run on a GPU", runner)
         return out
 
     return patched
@@ -148,8 +158,10 @@ def _make_execute_model_v2(execute_model):
 
     def patched(self, *a, **kw):
         manager = _paged_manager(self)
+        if manager is None:
+            return execute_model(self, *a, **kw)
         bound = signature.bind(self, *a, **kw)
-        if manager is None or bound.arguments.get("dummy_run"):
+        if bound.arguments.get("dummy_run"):
             # V2's own dummy runs come through here; they carry no step.
             return execute_model(*bound.args, **bound.kwargs)
         from vllm_loraserve.paging.step import STEP_ATTR
@@ -216,9 +228,10 @@ def _make_compute_hash(compute_hash):
 
 def install() -> None:
     from vllm.config import VllmConfig
-    from vllm.v1.worker.gpu import model_runner as v2
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+    from vllm_loraserve.compat import V2_CONTRACT, contract_problems
 
     wrap(VllmConfig, "_get_v2_model_runner_unsupported_features", _make_v2_unsupported)
     wrap(VllmConfig, "compute_hash", _make_compute_hash)
@@ -228,6 +241,13 @@ def install() -> None:
     wrap(GPUModelRunner, "sample_tokens", _make_sample_tokens)
     wrap(GPUModelRunner, "_determine_batch_execution_and_padding",
          _make_determine_batch_execution)
+    problems = contract_problems(V2_CONTRACT)
+    if problems:  # the pool stays on V1; `auto` is refused (frontend/args.py)
+        logger.warning("vllm-loraserve: vLLM's V2 model runner moved, so the pool runs on "
+                       "V1 only: %s", "; ".join(problems))
+        return
+    from vllm.v1.worker.gpu import model_runner as v2
+
     wrap(v2.GPUModelRunner, "initialize_kv_cache", lambda f: _make_initialize_kv_cache(f, "V2"))
     wrap(v2.GPUModelRunner, "execute_model", _make_execute_model_v2)
     wrap(v2.GPUModelRunner, "sample_tokens", _make_sample_tokens)
