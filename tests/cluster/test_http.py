@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 
 import httpx
@@ -47,15 +48,18 @@ def upstreams(tiny_assets):
 
 class Registry(AdapterStore):
     """The router's registry, in a test's directory: records every copy, and
-    takes `delay_s` for each."""
+    takes `delay_s` for each, or (with `gate`) waits until the test opens it."""
 
-    def __init__(self, root, delay_s: float = 0.0) -> None:
+    def __init__(self, root, delay_s: float = 0.0, gate: threading.Event | None = None) -> None:
         super().__init__(str(root))
         self.copied: list[tuple[str, str]] = []
         self.delay_s = delay_s
+        self.gate = gate
 
     def copy_in(self, name: str, src: str) -> None:
         time.sleep(self.delay_s)
+        if self.gate is not None:
+            assert self.gate.wait(30), "the test never opened the registry's gate"
         self.copied.append((name, src))
         super().copy_in(name, src)
 
@@ -549,19 +553,27 @@ def test_two_registrations_of_one_name_at_once_copy_one_adapter(upstreams, tiny_
     arrives second is refused while the other is under way, and the registry
     holds the files of the adapter the catalogue names (the refused one's
     copy would land on them). The two requests race over two connections,
-    so either may arrive first."""
-    registry = Registry(tmp_path / "registry", delay_s=0.5)
+    so either may arrive first; the first one's copy waits until the other
+    is answered (without the check, both would wait, and the test fails)."""
+    gate = threading.Event()
+    registry = Registry(tmp_path / "registry", gate=gate)
 
     async def body(client, core):
         paths = {r: os.path.join(tiny_assets, "adapters", f"adapter-00{i}-r{r}")
                  for i, r in ((0, 8), (1, 16))}
-        answers = dict(zip(paths, await asyncio.gather(
-            *(client.post("/admin/adapters", json={"name": "x", "path": p})
-              for p in paths.values())), strict=True))
+        tasks = {r: asyncio.create_task(client.post("/admin/adapters",
+                                                    json={"name": "x", "path": p}))
+                 for r, p in paths.items()}
+        done, _ = await asyncio.wait(tasks.values(), timeout=30,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1, "neither registration was refused while the other copied"
+        gate.set()
+        answers = {r: await t for r, t in tasks.items()}
         codes = sorted(a.status_code for a in answers.values())
         assert codes == [200, 409], [a.text for a in answers.values()]
         won = next(r for r, a in answers.items() if a.status_code == 200)
         other = 16 if won == 8 else 8
+        assert tasks[other] in done
         assert "registration of `x` is under way" in answers[other].json()["error"]["message"]
         assert answers[won].json()["rank"] == won
         assert core.catalog["x"] == won
