@@ -117,7 +117,8 @@ def test_other_architecture_rslora_partial_targets(qwen_assets, tmp_path_factory
     rng.shuffle(reqs)
     engine = {"max_loras": 3, "max_lora_rank": 32, "max_cpu_loras": 3, "max_num_seqs": 16,
               "additional_config": {"loraserve": {}}}
-    run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS, env=IN_PROCESS)
+    # Every adapter in host memory first, so all three are admitted in one step.
+    run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS, env=IN_PROCESS, read_ahead=True)
     problems = _check_all(HFReference(model), reqs, run["outputs"])
     assert not problems, "\n".join(problems)
     assert run["residency"]["pool"]["peak_batch_adapters"] == 3  # the paged pool served them

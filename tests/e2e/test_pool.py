@@ -59,10 +59,9 @@ def test_ten_adapters_in_one_batch_with_one_vllm_slot(case, tmp_path):
     model, reqs = case
     engine = {"max_loras": 1, "max_lora_rank": 128, "max_cpu_loras": 1, "max_num_seqs": 32,
               "max_num_batched_tokens": 2048, "additional_config": {"loraserve": {}}}
-    # Engine core in-process: every request is queued before the first step,
-    # so the first step holds all ten adapters.
-    run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS,
-                   env=IN_PROCESS)
+    # Engine core in-process, and every adapter read into host memory first:
+    # every request is admitted in one step, which holds all ten adapters.
+    run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS, env=IN_PROCESS, read_ahead=True)
     check(model, reqs, run["outputs"])
     res = run["residency"]
     pool = res["pool"]

@@ -11,7 +11,8 @@ the output also holds the workers' LoRA module table (loraserve_lora_modules)
 and residency report (loraserve_residency). spec "warm_round": true runs the
 same requests once before, under other adapter names (outputs dropped;
 "warm_residency": the residency report after it), each round's adapters read
-into host memory before it. spec "again": true runs the requests once more
+into host memory before it; spec "read_ahead": true reads the adapters into
+host memory before the one round. spec "again": true runs the requests once more
 after, with the same adapters ("again": their outputs, as "outputs").
 """
 
@@ -60,6 +61,10 @@ def main() -> None:
                 for lr in loras]
         _read_ahead(llm, warm)
         llm.generate(prompts, params, lora_request=warm, use_tqdm=False)
+        _read_ahead(llm, loras)
+    elif spec.get("read_ahead"):
+        # Every adapter in host memory before the first step: the steps then
+        # do not depend on when each background read ends.
         _read_ahead(llm, loras)
     plugin = "loraserve" in (spec["engine"].get("additional_config") or {})
     # The pool's counters add up over both rounds: the warm round's alone.
