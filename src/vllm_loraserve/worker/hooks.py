@@ -36,6 +36,7 @@ plugin's config by its compile key only (config.COMPILE_FIELDS).
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 
 from vllm_loraserve._patching import wrap
@@ -133,27 +134,33 @@ def _with_report(manager, out):
     return out
 
 
+def _run_step(manager, scheduler_output, forward):
+    """A runner's step with the pool: the scheduler's page decisions first,
+    then `forward()` (the runner's own execute_model), the forward's end, and
+    the PoolReport on its output."""
+    from vllm_loraserve.paging.step import STEP_ATTR
+
+    manager.apply_step(getattr(scheduler_output, STEP_ATTR, None),
+                       idle=scheduler_output.total_num_scheduled_tokens == 0)
+    try:
+        out = forward()
+    finally:
+        manager.end_forward()  # before the report: a load may fail in the forward pass
+    return _with_report(manager, out)
+
+
 def _make_execute_model(execute_model):
     def patched(self, scheduler_output, *a, **kw):
         manager = _paged_manager(self)
         if manager is None:
             return execute_model(self, scheduler_output, *a, **kw)
-        from vllm_loraserve.paging.step import STEP_ATTR
-
-        manager.apply_step(getattr(scheduler_output, STEP_ATTR, None),
-                           idle=scheduler_output.total_num_scheduled_tokens == 0)
-        try:
-            out = execute_model(self, scheduler_output, *a, **kw)
-        finally:
-            manager.end_forward()  # before the report: a load may fail in the forward pass
-        return _with_report(manager, out)
+        return _run_step(manager, scheduler_output,
+                         lambda: execute_model(self, scheduler_output, *a, **kw))
 
     return patched
 
 
 def _make_execute_model_v2(execute_model):
-    import inspect
-
     signature = inspect.signature(execute_model)
 
     def patched(self, *a, **kw):
@@ -164,18 +171,13 @@ def _make_execute_model_v2(execute_model):
         if bound.arguments.get("dummy_run"):
             # V2's own dummy runs come through here; they carry no step.
             return execute_model(*bound.args, **bound.kwargs)
-        from vllm_loraserve.paging.step import STEP_ATTR
 
-        scheduler_output = bound.arguments["scheduler_output"]
-        manager.apply_step(getattr(scheduler_output, STEP_ATTR, None),
-                           idle=scheduler_output.total_num_scheduled_tokens == 0)
-        if manager.force_eager:
-            bound.arguments["is_profile"] = True  # V2's only eager switch (need_eager)
-        try:
-            out = execute_model(*bound.args, **bound.kwargs)
-        finally:
-            manager.end_forward()  # before the report: a load may fail in the forward pass
-        return _with_report(manager, out)
+        def forward():
+            if manager.force_eager:  # known once the step is applied
+                bound.arguments["is_profile"] = True  # V2's only eager switch (need_eager)
+            return execute_model(*bound.args, **bound.kwargs)
+
+        return _run_step(manager, bound.arguments["scheduler_output"], forward)
 
     return patched
 
