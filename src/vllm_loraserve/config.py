@@ -31,7 +31,7 @@ ADDITIONAL_CONFIG_KEY = "loraserve"
 # graph, and their caches must not be taken for each other's.
 COMPILE_FIELDS = ("pool", "kernel", "max_slots", "model_runner")
 RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads", "read_in",
-                  "pack",
+                  "pack", "admission",
                   "cold_start", "cold_start_group_layers", "cpu_assist_workers")
 
 
@@ -122,12 +122,24 @@ class LoraServeConfig:
         "v1",
         "Which of vLLM's GPU model runners serves the paged pool. 'v1': vLLM's "
         "V1 runner, which every measurement of the pool used. 'auto' "
-        "(experimental, not yet run on a GPU; logged at start-up): vLLM's own "
-        "choice, its V2 runner for dense models, as vLLM's own LoRA gets. On an "
-        "H200 without LoRA, V1 gave 0.985 of V2's throughput "
-        "(docs/benchmarks/e2e.md, session 8).",
+        "(experimental; logged at start-up): vLLM's own choice, its V2 runner for "
+        "dense models, as vLLM's own LoRA gets. On an H200 (docs/benchmarks/e2e.md, "
+        "session 33) its throughput was 1.03x V1's with one adapter and 0.93x "
+        "with 1000.",
         flag="--loraserve-model-runner",
         choices=("auto", "v1"),
+    )
+    admission: str = _opt(
+        "fcfs",
+        "The order in which the paged pool's scheduler offers waiting requests "
+        "to vLLM's admission (scheduler/admission.py). 'fcfs': vLLM's own. "
+        "'affinity' (experimental, not yet measured on a GPU): requests whose "
+        "adapter a running request already uses go first, so that when KV runs "
+        "out, fewer distinct adapters take pages and are read in each step; a "
+        "request passed over in 8 steps goes first from then on. With vLLM's "
+        "FCFS scheduling policy only.",
+        flag="--loraserve-admission",
+        choices=("fcfs", "affinity"),
     )
     kernel: str = _opt(
         "auto",

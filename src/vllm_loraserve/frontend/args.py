@@ -179,6 +179,10 @@ def activate(engine_args: Any) -> None:
             raise ValueError(f"the loraserve pool needs --scheduler-cls {POOL_SCHEDULER}; it "
                              f"cannot be combined with {sched} (or use --loraserve-pool vllm)")
         engine_args.scheduler_cls = POOL_SCHEDULER
+        if cfg.admission != "fcfs" and engine_args.scheduling_policy != "fcfs":
+            raise ValueError(f"--loraserve-admission {cfg.admission} reorders vLLM's FCFS "
+                             "queue; it does not apply with --scheduling-policy "
+                             f"{engine_args.scheduling_policy}")
         if cfg.model_runner == "v1" and \
                 os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").lower() in ("1", "true"):
             raise ValueError("the loraserve pool runs on vLLM's V1 model runner: unset "
@@ -201,8 +205,8 @@ def activate(engine_args: Any) -> None:
                                  "parallelism, speculative decoding or "
                                  "VLLM_USE_BREAKABLE_CUDAGRAPH yet")
             logger.warning("vllm-loraserve: --loraserve-model-runner auto lets vLLM pick "
-                           "its V2 runner for the paged pool: experimental, not yet run "
-                           "on a GPU")
+                           "its V2 runner for the paged pool: experimental, slower than "
+                           "V1 with many adapters (docs/benchmarks/e2e.md, session 33)")
         if os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0").strip() not in ("", "0"):
             # vLLM would then run each LoRA layer inside an op of its own, on a
             # second stream: a path the pool's kernels and buffers were never

@@ -26,6 +26,9 @@ things:
   adapter is removed or reloaded, unless the worker reports it transient
   (an I/O error, memory that ran out): then the requests of that moment
   fail, and a later request loads the adapter again.
+- **Admission order is a policy** (`--loraserve-admission`,
+  scheduler/admission.py): vLLM's FCFS order, or requests whose adapter is
+  already in use first, within a bound on how often a request is passed over.
 - **Workers hear of every page change** through `PoolStep` on the step's
   SchedulerOutput (paging/step.py).
 """
@@ -49,7 +52,9 @@ from vllm_loraserve.config import from_vllm_config
 from vllm_loraserve.paging.layout import LayerLayout
 from vllm_loraserve.paging.model import model_layout
 from vllm_loraserve.paging.step import REPORT_ATTR, STEP_ATTR, PoolReport, Prefetch
+from vllm_loraserve.scheduler.admission import ADMISSIONS
 from vllm_loraserve.scheduler.pages import AdapterPages
+from vllm_loraserve.scheduler.queues import take_out
 from vllm_loraserve.scheduler.waits import AdapterWaits
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -100,20 +105,6 @@ def pool_layout(vllm_config: Any, page_size: int) -> LayerLayout:
     return model_layout(vllm_config.model_config.hf_text_config, page_size)
 
 
-def take_out(queue: Any, requests: list[Any], policy: Any) -> Any:
-    """Remove `requests` (in queue order) from a vLLM request queue; returns
-    them as a queue that `queue.prepend_requests` puts back in that order
-    (it takes its argument back to front, as vLLM's own skipped queue is
-    built)."""
-    from vllm.v1.core.sched.request_queue import create_request_queue
-
-    queue.remove_requests(requests)
-    aside = create_request_queue(policy)
-    for request in requests:
-        aside.prepend_request(request)
-    return aside
-
-
 class PoolSchedulerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -152,6 +143,10 @@ class PoolSchedulerMixin:
         self.lora_config = overlay(self.lora_config, max_loras=sys.maxsize)
         self.adapter_pages = AdapterPages(self.kv_cache_manager.block_pool, demand,
                                           cfg.max_slots)
+        self._admission = ADMISSIONS[cfg.admission]()
+        if cfg.admission == "affinity":
+            logger.warning("vllm-loraserve: --loraserve-admission affinity: experimental, "
+                           "not yet measured on a GPU")
         self.kv_cache_manager.allocate_slots = self._make_allocate(
             self.kv_cache_manager.allocate_slots)
         self.kv_cache_manager.reset_prefix_cache = self._make_reset(
@@ -208,6 +203,7 @@ class PoolSchedulerMixin:
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         held = self._set_aside_cold()
         try:
+            self._admission.order(self.waiting, self.adapter_pages.in_use, self.policy)
             out = super().schedule(*args, **kwargs)
         finally:
             for queue, requests in held:

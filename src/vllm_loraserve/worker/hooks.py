@@ -18,17 +18,18 @@ graph mode in `_determine_batch_execution_and_padding`, whose `force_eager`
 The V1 runner classes are patched (the CPU runner subclasses GPU V1). With
 the pool, vLLM is kept on its V1 runner (`--loraserve-model-runner v1`, the
 default): `VllmConfig` lists the pool among the features its V2 runner
-lacks, so vLLM logs that and picks V1. With `auto` (experimental, not yet
-run on a GPU) vLLM picks as it would without the plugin, and the V2
-runner's `initialize_kv_cache`, `execute_model` and `sample_tokens` are
-wrapped as V1's are. V2 differs in two places: its own dummy runs (profile,
-warm-up, data-parallel padding) go through `execute_model`, and pass
-through untouched; and its one switch to run a step eagerly is
-`is_profile` (read only for `need_eager`), which a CPU-assisted step sets.
-V2's patches go in only where V2 is as compat.V2_CONTRACT expects (else the
-pool stays on V1, and `auto` is refused); with `v1`, a config for which
-vLLM takes V2 anyway (VLLM_USE_V2_MODEL_RUNNER, some speculative methods)
-is refused at the KV cache's binding.
+lacks, so vLLM logs that and picks V1. With `auto` (experimental: on an
+H200, 3% faster than V1 at one adapter, 7% slower at 1000) vLLM picks as it
+would without the plugin, and the V2 runner's `initialize_kv_cache`,
+`execute_model` and `sample_tokens` are wrapped as V1's are. V2 differs in
+two places: its own dummy runs (profile, warm-up, data-parallel padding) go
+through `execute_model`, and pass through untouched; and its one switch to
+run a step eagerly is `is_profile` (read only for `need_eager`), which a
+CPU-assisted step sets. V2's patches go in only where V2 is as
+compat.V2_CONTRACT expects (else the pool stays on V1, and `auto` is
+refused); with `v1`, a config for which vLLM takes V2 anyway
+(VLLM_USE_V2_MODEL_RUNNER, some speculative methods) is refused at the KV
+cache's binding.
 `VllmConfig.compute_hash`, which keys vLLM's compile cache, counts the
 plugin's config by its compile key only (config.COMPILE_FIELDS).
 """
@@ -101,7 +102,7 @@ def _make_initialize_kv_cache(initialize_kv_cache, runner: str = "V1"):
                                  "loraserve pool runs on V1 (--loraserve-model-runner v1); "
                                  "--loraserve-model-runner auto runs it on V2, experimental")
             logger.warning("vllm-loraserve: the paged pool runs on vLLM's %s model runner: "
-                           "experimental, not yet run on a GPU", runner)
+                           "experimental, slower than V1 with many adapters", runner)
         out = initialize_kv_cache(self, kv_cache_config, *a, **kw)
         if manager is not None and self.kv_caches:
             manager.bind_kv_cache(self.kv_caches)
