@@ -46,6 +46,10 @@ each config also gets `extra_ms_per_step` (its generation time minus none's,
 over its steps: everything it costs beyond none), the roofline efficiency of
 that (`roofline_efficiency_total`), and `roofline_ratio`: the ratio to none
 if its base work took none's time and its LoRA work exactly its bytes' time.
+`none-kvN` is `none` on V1 (the pool's runner) with N KV blocks: with N = a
+pool config's blocks minus its adapter pages it runs about its steps without
+LoRA, and the config then also gets its LoRA time against it (`*_kv_matched`):
+the LoRA work alone, what its extra steps cost aside.
 
     python3 benchmarks/e2e/bench_e2e.py --configs none,stock-100,pool-100 --out $OUT
     python3 benchmarks/e2e/bench_e2e.py --shape llama3-8b --targets all-linear \
@@ -58,6 +62,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -93,10 +98,32 @@ CONFIGS: dict[str, tuple[int, bool, dict]] = {
     "pool-base-only": (0, True, {}),
     "none-v1": (0, False, {}),
 }
+KV_MATCHED = re.compile(r"none-kv(\d+)")
+
+
+def config_of(name: str) -> tuple[int, bool, dict]:
+    """CONFIGS[name], or `none-kvN`: `none` on V1 with N KV blocks. Run with
+    N = a pool config's KV blocks minus its adapter pages, it runs about
+    that config's steps, each with as few requests as its KV allows, without
+    LoRA: the base cost of the pool's concurrency (kv_matched())."""
+    m = KV_MATCHED.fullmatch(name)
+    if m:
+        return 0, False, {"num_gpu_blocks_override": int(m.group(1))}
+    return CONFIGS[name]
+
+
 # The plugin's pool runs on vLLM's V1 model runner (V2 does not support it),
 # while `none` and stock get vLLM's default, V2. `none-v1` is `none` on V1: the
 # runner's share of every pool config's gap, apart from the pool's own.
 CONFIG_ENV = {"none-v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
+
+
+def config_env(name: str) -> dict[str, str]:
+    """A config's environment; `none-kvN` runs on V1, as the pool's configs
+    do, so that a LoRA time against it holds no runner's difference."""
+    if KV_MATCHED.fullmatch(name):
+        return CONFIG_ENV["none-v1"]
+    return CONFIG_ENV.get(name, {})
 POOL_KW = dict(enable_lora=True, max_loras=1, additional_config={"loraserve": {}})
 GRAPH_KEYS = ("max_cudagraph_capture_size", "cudagraph_capture_sizes")
 # bench_e2e.py's defaults: a run with others is a diagnostic (summary.py says so).
@@ -273,7 +300,7 @@ def run_config(name: str, model: str, adapters_root: str, out: str, profile: int
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
-    n, plugin, extra = CONFIGS[name]
+    n, plugin, extra = config_of(name)
     kw = dict(model=model, load_format="dummy", dtype="bfloat16",
               max_model_len=2048, gpu_memory_utilization=0.9, seed=0, disable_log_stats=False)
     kw.update(POOL_KW if plugin else {}, **extra)
@@ -481,7 +508,11 @@ def same_graphs(config: dict, none: dict) -> bool:
 
 # roofline()'s results that depend on none's run
 VS_NONE = ("lora_ms_per_step", "steps_vs_none", "extra_ms_per_step", "roofline_ratio",
-           "roofline_efficiency", "roofline_efficiency_total")
+           "roofline_efficiency", "roofline_efficiency_total", "kv_matched",
+           "lora_ms_per_step_kv_matched", "roofline_efficiency_kv_matched")
+# A `none-kvN` run stands for a config's base work when their steps differ by
+# at most this share.
+KV_MATCH_STEPS = 0.03
 
 
 def roofline(summary: dict) -> None:
@@ -517,6 +548,31 @@ def roofline(summary: dict) -> None:
             if step > none_step:
                 r["roofline_efficiency"] = round(r["roofline_ms_per_step"]
                                                  / r["lora_ms_per_step"], 3)
+    kv_matched(summary)
+
+
+def kv_matched(summary: dict) -> None:
+    """A config's LoRA time against the `none-kvN` run of about its steps
+    (within KV_MATCH_STEPS): its generation time minus that run's, over its
+    steps. That run's steps hold as few requests as the config's KV allows,
+    so the difference is the LoRA work alone, where the LoRA time against
+    `none` charges each extra step at none's mean step."""
+    matched = {n: r for n, r in summary["configs"].items()
+               if KV_MATCHED.fullmatch(n) and r.get("engine_steps")}
+    for name, r in summary["configs"].items():
+        if name in matched or not r.get("plugin") or not r.get("engine_steps"):
+            continue
+        near = [(abs(m["engine_steps"] / r["engine_steps"] - 1), n) for n, m in matched.items()
+                if same_graphs(r, m)]
+        if not near or min(near)[0] > KV_MATCH_STEPS:
+            continue
+        m = matched[min(near)[1]]
+        lora_s = (r["gen_s"] - m["gen_s"]) / r["engine_steps"]
+        r["kv_matched"] = min(near)[1]
+        r["lora_ms_per_step_kv_matched"] = round(1e3 * lora_s, 3)
+        if "roofline_ms_per_step" in r and lora_s > 0:
+            r["roofline_efficiency_kv_matched"] = round(
+                r["roofline_ms_per_step"] / (1e3 * lora_s), 3)
 
 
 def run_child(cmd: list[str], env: dict, log_file: IO, timeout_s: float,
@@ -602,12 +658,12 @@ def main() -> None:
                           a.warm_adapters, json.loads(a.pool_config),
                           not a.profile_gpu_only, engine_kw, a.graph_size)
     configs = a.configs.split(",")
-    unknown = sorted(set(configs) - set(CONFIGS))
+    unknown = sorted(c for c in configs if c not in CONFIGS and not KV_MATCHED.fullmatch(c))
     if unknown:
-        sys.exit(f"unknown configs {unknown}; choose from {sorted(CONFIGS)}")
+        sys.exit(f"unknown configs {unknown}; choose from {sorted(CONFIGS)} or none-kvN")
     t = time.time()
     write_model(model, SHAPES[a.shape])
-    write_adapters(adapters, max(CONFIGS[c][0] for c in configs), SHAPES[a.shape],
+    write_adapters(adapters, max(config_of(c)[0] for c in configs), SHAPES[a.shape],
                    TARGETS[a.targets][0], ranks, a.distinct)
     log(f"assets in {time.time() - t:.1f} s")
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
@@ -625,7 +681,7 @@ def main() -> None:
     for c in configs:
         t = time.time()
         with open(os.path.join(a.out, f"{c}.log"), "w") as lf:
-            env = {**os.environ, **CONFIG_ENV.get(c, {}),
+            env = {**os.environ, **config_env(c),
                    **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if a.profile else {})}
             rc = run_child([sys.executable, __file__, "--child", c, "--root", a.root,
                             "--shape", a.shape, "--targets", a.targets, "--ranks", a.ranks,

@@ -26,6 +26,9 @@ import json
 
 from bench_e2e import PROTOCOL, roofline, same_graphs
 
+# A config's LoRA time against a `none-kvN` run of its steps, where the call had one.
+KV_MATCHED_KEYS = ("kv_matched", "lora_ms_per_step_kv_matched", "roofline_efficiency_kv_matched")
+
 DEFAULT = ("llama2-7b", "qkvo")
 
 
@@ -107,7 +110,8 @@ def summarize(runs: list[dict]) -> dict:
                 "roofline_ratio": r.get("roofline_ratio"),
                 "device": run["gpu"], "vllm": run.get("vllm"), "commit": run.get("commit"),
                 "date": run.get("date"), "ranks": run.get("ranks"),
-                **({"none_shared": True} if r.get("none_shared") else {})}
+                **({"none_shared": True} if r.get("none_shared") else {}),
+                **{k: r[k] for k in KV_MATCHED_KEYS if k in r}}
             # A run off the protocol's defaults says so (bench_e2e.py's
             # diagnostic flags): its numbers are not the protocol's.
             given = {k: run[k] if k in run else _before(run, k, default)

@@ -67,6 +67,35 @@ def test_lora_time_by_steps_and_by_total_time():
         r["extra_ms_per_step"], r["roofline_ratio"])
 
 
+def test_lora_time_against_a_none_of_the_pools_kv():
+    """`none-kvN` runs the pool's steps without LoRA: a pool config's LoRA time
+    against it is its time beyond that run, over its steps; a none-kv run of
+    other steps (more than 3% off) or other graphs is not taken."""
+    assert bench_e2e.config_of("none-kv11770") == (0, False, {"num_gpu_blocks_override": 11770})
+    assert bench_e2e.config_of("pool-1000") == bench_e2e.CONFIGS["pool-1000"]
+    assert bench_e2e.config_env("none-kv11770") == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert bench_e2e.config_env("none") == {}
+    with pytest.raises(KeyError):
+        bench_e2e.config_of("none-kv")
+    pool = {**_config(8000, 1024, steps=550), "adapter_bytes_timed": 550 * 40e9,
+            "plugin": True}
+    far = {**_config(9900, 1024, steps=500), "plugin": True}  # pool-100: no none-kv near
+    run = _run({"none": _config(10000, 1024), "none-kv9000": _config(9500, 1024, steps=560),
+                "none-kv8000": _config(9000, 1024, steps=600),
+                "none-kv9100": _config(9400, 512, steps=550),  # other graphs
+                "pool-1000": pool, "pool-100": far}, graph_size="decode")
+    bench_e2e.roofline(run)
+    r = run["configs"]["pool-1000"]
+    assert r["kv_matched"] == "none-kv9000"  # 560 steps: 1.8% off; 600: 9%
+    lora_s = (31.25 - 250 / 9.5) / 550
+    assert r["lora_ms_per_step_kv_matched"] == pytest.approx(1e3 * lora_s, abs=1e-3)
+    assert r["roofline_efficiency_kv_matched"] == pytest.approx(0.01 / lora_s, abs=1e-3)
+    assert "kv_matched" not in run["configs"]["pool-100"]
+    out = summary.summarize([run])
+    assert out["pool-1000"]["kv_matched"] == "none-kv9000"
+    assert out["none-kv9000"]["ratio_to_none"] == 0.95 and "kv_matched" not in out["pool-100"]
+
+
 GRAPHS_1024 = {"compilation_config": {"max_cudagraph_capture_size": 1024}}
 
 
