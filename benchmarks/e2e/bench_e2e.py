@@ -349,12 +349,15 @@ def run_config(name: str, model: str, adapters_root: str, out: str, profile: int
     m0 = _metrics(llm)
     if plugin:  # drain the warm-up's load events
         before = llm.collective_rpc("loraserve_residency")[0]["pool"]
-    t = time.perf_counter()
+    t, mono0 = time.perf_counter(), time.monotonic()
     with Pacing() as pacing:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                             lora_request=lora, use_tqdm=False)
     dt = time.perf_counter() - t
     res["pacing"] = pacing.result
+    if plugin and os.environ.get(STEP_TRACE_ENV):
+        res["step_trace"] = step_trace_summary(os.environ[STEP_TRACE_ENV], mono0,
+                                               time.monotonic())
     m1 = _metrics(llm)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
@@ -407,6 +410,31 @@ LORA_KERNELS = ("_shrink_kernel", "_shrink_stream_kernel", "_expand_kernel")
 # launch gaps inside a CUDA graph are a few µs; a host that paces the GPU
 # leaves tens to hundreds; a step that waits for the host, milliseconds.
 GAP_CLASSES_US = {"<=5us": 5, "<=50us": 50, "<=1ms": 1000, ">1ms": float("inf")}
+
+
+STEP_TRACE_ENV = "LORASERVE_STEP_TRACE"  # worker/step_trace.py
+
+
+def step_trace_summary(prefix: str, start: float, end: float) -> dict:
+    """The timed run's steps in the workers' step traces (--step-trace):
+    their periods and host times, apart for steps with page loads and
+    without (what a load step costs beyond the others)."""
+    import glob
+
+    steps = [r for path in sorted(glob.glob(f"{prefix}-*.jsonl"))
+             for r in map(json.loads, open(path))
+             if start <= r["mono"] <= end and r["period_s"] is not None]
+    out: dict = {"steps": len(steps)}
+    for name, group in (("load_steps", [r for r in steps if r["loads"]]),
+                        ("other_steps", [r for r in steps if not r["loads"]])):
+        n = len(group)
+        out[name] = {"n": n, **({
+            "period_ms": round(1e3 * sum(r["period_s"] for r in group) / n, 3),
+            "host_ms": round(1e3 * sum(r["host_s"] for r in group) / n, 3),
+            "tokens": round(sum(r["tokens"] for r in group) / n, 1),
+            "adapters": round(sum(r["adapters"] for r in group) / n, 1),
+            "loads": round(sum(r["loads"] for r in group) / n, 2)} if n else {})}
+    return out
 
 
 def gpu_busy(events, wall_s: float) -> dict:
@@ -640,6 +668,10 @@ def main() -> None:
                     help="instead of the timed run, profile the first N requests "
                          "(torch.profiler, engine core in-process) into profile-CONFIG.txt, "
                          "and the GPU's busy time into busy-CONFIG.json")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="the pool configs' workers trace each step (worker/step_trace.py) "
+                         "into CONFIG-steps-PID.jsonl; each config's results get the timed "
+                         "run's steps with page loads and without, apart")
     ap.add_argument("--profile-gpu-only", action="store_true",
                     help="trace only the GPU's kernels and copies (tracing host ops slows "
                          "the host, which matters where the host paces the steps)")
@@ -682,6 +714,8 @@ def main() -> None:
         t = time.time()
         with open(os.path.join(a.out, f"{c}.log"), "w") as lf:
             env = {**os.environ, **config_env(c),
+                   **({STEP_TRACE_ENV: os.path.join(a.out, f"{c}-steps")} if a.step_trace
+                      else {}),
                    **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if a.profile else {})}
             rc = run_child([sys.executable, __file__, "--child", c, "--root", a.root,
                             "--shape", a.shape, "--targets", a.targets, "--ranks", a.ranks,

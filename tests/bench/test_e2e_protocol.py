@@ -96,6 +96,35 @@ def test_lora_time_against_a_none_of_the_pools_kv():
     assert out["none-kv9000"]["ratio_to_none"] == 0.95 and "kv_matched" not in out["pool-100"]
 
 
+def test_step_trace_summary_takes_the_timed_runs_steps_apart(tmp_path):
+    """Steps of the timed run only (warm-up before it, shutdown after), from
+    every worker's file, and the first step of a worker (no period) left out."""
+    import json
+
+    from vllm_loraserve.worker.step_trace import ENV
+
+    assert bench_e2e.STEP_TRACE_ENV == ENV
+
+    def line(mono, period, loads, host=0.001, tokens=100, adapters=5):
+        return json.dumps({"mono": mono, "period_s": period, "host_s": host, "tokens": tokens,
+                           "loads": loads, "evictions": 0, "adapters": adapters,
+                           "adapter_bytes": 1}) + "\n"
+
+    (tmp_path / "pool-1000-steps-11.jsonl").write_text(
+        line(5.0, None, 3) + line(10.0, 0.05, 1) + line(10.04, 0.04, 0) + line(10.08, 0.04, 2)
+        + line(30.0, 0.5, 0))
+    (tmp_path / "pool-1000-steps-12.jsonl").write_text(line(10.1, 0.02, 0, tokens=200))
+    (tmp_path / "pool-100-steps-13.jsonl").write_text(line(10.2, 0.9, 0))  # another config
+    out = bench_e2e.step_trace_summary(str(tmp_path / "pool-1000-steps"), 9.0, 20.0)
+    assert out["steps"] == 4
+    assert out["load_steps"] == {"n": 2, "period_ms": 45.0, "host_ms": 1.0, "tokens": 100.0,
+                                 "adapters": 5.0, "loads": 1.5}
+    assert out["other_steps"]["n"] == 2 and out["other_steps"]["period_ms"] == 30.0
+    assert out["other_steps"]["tokens"] == 150.0
+    empty = bench_e2e.step_trace_summary(str(tmp_path / "none-steps"), 9.0, 20.0)
+    assert empty == {"steps": 0, "load_steps": {"n": 0}, "other_steps": {"n": 0}}
+
+
 GRAPHS_1024 = {"compilation_config": {"max_cudagraph_capture_size": 1024}}
 
 

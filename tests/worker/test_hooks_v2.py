@@ -28,6 +28,7 @@ class Manager(PagedWorkerLoRAManager):
     def __init__(self, force_eager: bool = False) -> None:  # noqa: D107 (no vLLM init)
         self.calls: list[tuple] = []
         self._force = force_eager
+        self.step_trace = None
 
     def apply_step(self, step, idle=False):
         self.calls.append(("apply_step", step, idle))

@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import time
 
 from vllm_loraserve._patching import wrap
 from vllm_loraserve.config import ADDITIONAL_CONFIG_KEY, LoraServeConfig, from_vllm_config
@@ -138,15 +139,18 @@ def _with_report(manager, out):
 def _run_step(manager, scheduler_output, forward):
     """A runner's step with the pool: the scheduler's page decisions first,
     then `forward()` (the runner's own execute_model), the forward's end, and
-    the PoolReport on its output."""
+    the PoolReport on its output; a line of the step trace where it is on."""
     from vllm_loraserve.paging.step import STEP_ATTR
 
-    manager.apply_step(getattr(scheduler_output, STEP_ATTR, None),
-                       idle=scheduler_output.total_num_scheduled_tokens == 0)
+    start = time.monotonic()
+    tokens = scheduler_output.total_num_scheduled_tokens
+    manager.apply_step(getattr(scheduler_output, STEP_ATTR, None), idle=tokens == 0)
     try:
         out = forward()
     finally:
         manager.end_forward()  # before the report: a load may fail in the forward pass
+    if manager.step_trace is not None and tokens:
+        manager.step_trace.record(start, time.monotonic(), tokens, manager.trace_counts())
     return _with_report(manager, out)
 
 

@@ -85,6 +85,7 @@ from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker.pool import DevicePool
 from vllm_loraserve.worker.report import LoadEvent, PoolCounters, ResidencyReport
 from vllm_loraserve.worker.residency import MAX_BUFFERED_EVENTS, lora_modules
+from vllm_loraserve.worker.step_trace import StepTrace
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -184,6 +185,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             arena, self._read_file, cfg.read_threads, fence=self._fence,
             on_read=lambda lora_id, seconds: self._record(lora_id, "host", seconds))
         self._lock = threading.Lock()  # events and waits, shared with the readers
+        self.step_trace = StepTrace.from_env()  # None unless LORASERVE_STEP_TRACE is set
         # Page loads whose adapter was already in the host tier (hits) or had
         # to be read, or waited for, inside the step (misses).
         self.prefetch_hits = self.prefetch_misses = 0
@@ -427,6 +429,12 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         if self.cold is not None:
             self.cold.end_forward()
             self.host.end_step()
+
+    def trace_counts(self) -> tuple[int, int, int, int]:
+        """Running totals for the step trace (worker/step_trace.py): page loads,
+        evictions, and the adapters and adapter bytes of all steps' tokens."""
+        return (self.page_loads, self.page_evictions, self.pool.adapter_step_adapters,
+                self.pool.adapter_step_bytes)
 
     @property
     def force_eager(self) -> bool:

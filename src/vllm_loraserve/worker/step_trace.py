@@ -1,0 +1,60 @@
+"""A per-step trace of the pool, for diagnosis (opt-in, off by default).
+
+With `LORASERVE_STEP_TRACE=PREFIX` in a worker's environment, the worker
+appends one JSON line per step that runs tokens to `PREFIX-<pid>.jsonl`
+(benchmarks/e2e/bench_e2e.py --step-trace reads it). Host clocks only: it
+never waits for the device, so it changes no step's timing but for the
+write of one line.
+
+Fields of a line:
+- `mono`: `time.monotonic()` at the step's start (execute_model), one clock
+  for every process of the machine;
+- `period_s`: since the previous traced step's start. Where the engine waits
+  for each step's output before it schedules the next (vLLM's synchronous
+  scheduling), this is the step's whole time;
+- `host_s`: the worker's time in the step (page decisions, the forward's
+  launches, its end);
+- `tokens`; `loads` and `evictions`: page loads and evictions of the step;
+  `adapters` and `adapter_bytes`: distinct adapters of its tokens and their
+  weights' bytes (the memory roofline's share of the step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import IO
+
+ENV = "LORASERVE_STEP_TRACE"
+
+
+class StepTrace:
+    """Invariant: one line per `record`, written whole (line-buffered, the
+    file open for the process's life), so a worker that dies loses no
+    recorded step."""
+
+    def __init__(self, prefix: str) -> None:
+        self.path = f"{prefix}-{os.getpid()}.jsonl"
+        self._file: IO[str] = open(self.path, "a", buffering=1)
+        self._last_start: float | None = None
+        self._last_counts: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_env(cls) -> StepTrace | None:
+        prefix = os.environ.get(ENV)
+        return cls(prefix) if prefix else None
+
+    def record(self, start: float, end: float, tokens: int,
+               counts: tuple[int, int, int, int]) -> None:
+        """A step from `start` to `end` (monotonic seconds) that ran `tokens`;
+        `counts`: the pool's running totals of (page loads, evictions, step
+        adapters, step adapter bytes) after it. The first step after start-up
+        has no period; its counts are totals since then."""
+        last = self._last_counts or (0, 0, 0, 0)
+        loads, evictions, adapters, nbytes = (c - p for c, p in zip(counts, last, strict=True))
+        period = None if self._last_start is None else round(start - self._last_start, 6)
+        self._file.write(json.dumps({
+            "mono": round(start, 6), "period_s": period, "host_s": round(end - start, 6),
+            "tokens": tokens, "loads": loads, "evictions": evictions, "adapters": adapters,
+            "adapter_bytes": nbytes}) + "\n")
+        self._last_start, self._last_counts = start, counts

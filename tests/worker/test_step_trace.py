@@ -1,0 +1,64 @@
+"""The opt-in step trace (LORASERVE_STEP_TRACE): one line per step that runs
+tokens, with the step's own loads, evictions, adapters and bytes (differences
+of the pool's running totals) and the time since the previous step."""
+
+from __future__ import annotations
+
+import json
+
+from vllm_loraserve.paging.step import STEP_ATTR
+from vllm_loraserve.worker import hooks
+from vllm_loraserve.worker.step_trace import ENV, StepTrace
+
+
+class Manager:
+    """What _run_step asks of the pool's manager; each forward adds a load,
+    two adapters and 100 bytes to the running totals."""
+
+    def __init__(self, trace):
+        self.step_trace, self.totals = trace, [0, 0, 0, 0]
+
+    def apply_step(self, step, idle=False):
+        pass
+
+    def end_forward(self):
+        pass
+
+    def trace_counts(self):
+        return tuple(self.totals)
+
+    def report(self):
+        return None
+
+
+class SchedulerOutput:
+    def __init__(self, tokens):
+        self.total_num_scheduled_tokens = tokens
+        setattr(self, STEP_ATTR, None)
+
+
+def test_each_step_with_tokens_is_a_line_with_its_own_counts(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, str(tmp_path / "trace"))
+    trace = StepTrace.from_env()
+    manager = Manager(trace)
+
+    def forward():
+        manager.totals = [manager.totals[0] + 1, 0, manager.totals[2] + 2,
+                          manager.totals[3] + 100]
+        return None
+
+    for tokens in (64, 0, 1):  # an idle step (no tokens) is not a line
+        hooks._run_step(manager, SchedulerOutput(tokens), forward)
+    lines = [json.loads(line) for line in open(trace.path)]
+    assert [r["tokens"] for r in lines] == [64, 1]
+    assert lines[0]["period_s"] is None and lines[1]["period_s"] > 0
+    # The idle step's forward counted too: its load is in the next line's.
+    assert [(r["loads"], r["adapters"], r["adapter_bytes"]) for r in lines] == [
+        (1, 2, 100), (2, 4, 200)]
+    assert all(r["host_s"] >= 0 for r in lines)
+    assert abs(lines[1]["mono"] - lines[0]["mono"] - lines[1]["period_s"]) < 2e-6
+
+
+def test_off_without_the_variable(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert StepTrace.from_env() is None
