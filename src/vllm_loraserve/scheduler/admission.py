@@ -29,10 +29,10 @@ from typing import Any, Protocol
 
 from vllm_loraserve.scheduler.queues import take_out
 
-# Steps a request may be passed over before it goes first. A rough step
-# simulation of the e2e protocol (docs/benchmarks/e2e.md, session 33) cut
-# adapter bytes 10% at 1000 adapters with 8, and 14% with 32; 8 bounds the
-# delay at ~8 steps' time (a few hundred ms on an H200).
+# Steps a request may be passed over before it goes first. In the step
+# simulation of the e2e protocol (benchmarks/e2e/admission_sim.py, 1000
+# adapters), 8 cut adapter bytes 13% and 32 cut them 13.5%; 8 bounds the
+# delay at 8 steps' time (a few hundred ms on an H200).
 MAX_PASSES = 8
 
 
