@@ -66,6 +66,8 @@ class Request:
     generated: int = 0
     computed: int = 0
     pages: int = 0
+    preempted: bool = False  # waiting again after a preemption: the scheduler prefers it
+    first_step: int = -1  # the step that first admitted it
 
     @property
     def lora_id(self) -> int | None:
@@ -85,6 +87,7 @@ class Run:
     preemptions: int = 0
     max_passed_over: int = 0  # see count_passes
     generated: list[int] = field(default_factory=list)  # per request, at the end
+    first_steps: list[int] = field(default_factory=list)  # per request: its first admission
 
 
 class Pool:
@@ -168,7 +171,7 @@ def schedule_running(running: list[Request], waiting: Any,
         while not pool.make_room(need):
             victim = running.pop()
             pool.drop(victim)
-            victim.computed = 0
+            victim.computed, victim.preempted = 0, True
             waiting.prepend_request(victim)
             preempted += 1
             if victim is r:
@@ -181,7 +184,7 @@ def schedule_running(running: list[Request], waiting: Any,
 
 
 def admit(waiting: Any, running: list[Request], pool: Pool, budget: int,
-          batch: list[tuple[Request, int]]) -> set[Request]:
+          batch: list[tuple[Request, int]], step: int) -> set[Request]:
     """vLLM's second pass, over the queue in the order the policy left it."""
     admitted: set[Request] = set()
     while waiting and len(running) < MAX_SEQS and budget > 0:
@@ -191,7 +194,9 @@ def admit(waiting: Any, running: list[Request], pool: Pool, budget: int,
             break
         waiting.pop_request()
         pool.take(blocks(n), r.lora_id)
-        r.pages = blocks(n)
+        r.pages, r.preempted = blocks(n), False
+        if r.first_step < 0:
+            r.first_step = step
         running.append(r)
         batch.append((r, n))
         budget -= n
@@ -243,13 +248,16 @@ def simulate(n_adapters: int, seed: int, policy: str = "fcfs", n_requests: int =
         run.preemptions += preempted
         if not preempted:  # as vLLM: no admissions in a step that preempted
             queue = list(waiting)
-            admission.order(waiting, pool.in_use, SchedulingPolicy.FCFS)
-            admitted = admit(waiting, running, pool, budget, batch)
+            waiting_ids = {r.request_id for r in queue}
+            admission.order(waiting, lambda r: r.lora_id is None or pool.in_use(r.lora_id)
+                            or r.preempted, waiting_ids.__contains__, SchedulingPolicy.FCFS)
+            admitted = admit(waiting, running, pool, budget, batch, len(run.tokens))
             run.max_passed_over = max(run.max_passed_over,
                                       count_passes(queue, admitted, passes))
         run.pages.append((pool.free, sum(r.pages for r in running), pool.adapter_pages()))
         execute(batch, running, pool, run)
     run.generated = [r.generated for r in requests]
+    run.first_steps = [r.first_step for r in requests]
     return run
 
 
@@ -262,6 +270,9 @@ def metrics(run: Run, no_lora: Run, eff: float) -> dict[str, float]:
             "adapters/step": float(np.mean(run.adapters)),
             "adapter_GB": sum(run.adapter_bytes) / 1e9,
             "preemptions": run.preemptions,
+            # When requests start: what the reordering costs the ones it passes over.
+            "first_step_p50": float(np.percentile(run.first_steps, 50)),
+            "first_step_p99": float(np.percentile(run.first_steps, 99)),
             "throughput/no-LoRA": NO_LORA_S / seconds}
 
 

@@ -24,10 +24,7 @@ import argparse
 import copy
 import json
 
-from bench_e2e import PROTOCOL, roofline, same_graphs
-
-# A config's LoRA time against a `none-kvN` run of its steps, where the call had one.
-KV_MATCHED_KEYS = ("kv_matched", "lora_ms_per_step_kv_matched", "roofline_efficiency_kv_matched")
+from bench_e2e import KV_MATCHED_KEYS, PROTOCOL, roofline, same_graphs
 
 DEFAULT = ("llama2-7b", "qkvo")
 

@@ -136,8 +136,8 @@ class LoraServeConfig:
         "'affinity' (experimental, not yet measured on a GPU): requests whose "
         "adapter a running request already uses go first, so that when KV runs "
         "out, fewer distinct adapters take pages and are read in each step; a "
-        "request passed over in 8 steps goes first from then on. With vLLM's "
-        "FCFS scheduling policy only.",
+        "request this puts behind a later one goes to the front after 8 steps "
+        "in the queue. With vLLM's FCFS scheduling policy only.",
         flag="--loraserve-admission",
         choices=("fcfs", "affinity"),
     )

@@ -1,6 +1,6 @@
 """benchmarks/e2e/admission_sim.py: the step simulation serves every request in
 full, keeps its page accounting within the pool, is deterministic, and with
-the project's affinity policy passes no request over more than MAX_PASSES
+the project's affinity policy passes no request over more than MAX_WAIT_STEPS
 steps while it waits. Whether affinity beats FCFS is for the benchmark to measure."""
 
 from __future__ import annotations
@@ -59,11 +59,11 @@ def test_fcfs_passes_no_request_over() -> None:
     assert sim.simulate(50, 1, "fcfs", **SMALL).max_passed_over == 0
 
 
-@pytest.mark.parametrize("bound", [1, 2, admission.MAX_PASSES])
+@pytest.mark.parametrize("bound", [1, 2, admission.MAX_WAIT_STEPS])
 def test_affinity_passes_a_request_over_at_most_its_bound(monkeypatch, bound: int) -> None:
     # Unbounded, affinity passes some request here over 3 times in one wait: 1 binds.
     monkeypatch.setitem(admission.ADMISSIONS, "bounded",
-                        functools.partial(admission.AdapterAffinity, max_passes=bound))
+                        functools.partial(admission.AdapterAffinity, max_wait_steps=bound))
     passed = max(sim.simulate(50, s, "bounded", **SMALL).max_passed_over for s in range(3))
     assert 0 < passed <= bound
 

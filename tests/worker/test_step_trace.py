@@ -1,5 +1,5 @@
-"""The opt-in step trace (LORASERVE_STEP_TRACE): one line per step that runs
-tokens, with the step's own loads, evictions, adapters and bytes (differences
+"""The opt-in step trace (LORASERVE_STEP_TRACE): one line per step, idle ones
+too, with the step's own loads, evictions, adapters and bytes (differences
 of the pool's running totals) and the time since the previous step."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class SchedulerOutput:
         setattr(self, STEP_ATTR, None)
 
 
-def test_each_step_with_tokens_is_a_line_with_its_own_counts(tmp_path, monkeypatch):
+def test_each_step_is_a_line_with_its_own_counts(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV, str(tmp_path / "trace"))
     trace = StepTrace.from_env()
     manager = Manager(trace)
@@ -47,14 +47,13 @@ def test_each_step_with_tokens_is_a_line_with_its_own_counts(tmp_path, monkeypat
                           manager.totals[3] + 100]
         return None
 
-    for tokens in (64, 0, 1):  # an idle step (no tokens) is not a line
+    for tokens in (64, 0, 1):  # an idle step (no tokens) applies loads too: a line
         hooks._run_step(manager, SchedulerOutput(tokens), forward)
     lines = [json.loads(line) for line in open(trace.path)]
-    assert [r["tokens"] for r in lines] == [64, 1]
-    assert lines[0]["period_s"] is None and lines[1]["period_s"] > 0
-    # The idle step's forward counted too: its load is in the next line's.
-    assert [(r["loads"], r["adapters"], r["adapter_bytes"]) for r in lines] == [
-        (1, 2, 100), (2, 4, 200)]
+    assert [r["tokens"] for r in lines] == [64, 0, 1]
+    assert lines[0]["period_s"] is None and all(r["period_s"] > 0 for r in lines[1:])
+    # Each line holds its own step's counts, not the running totals.
+    assert [(r["loads"], r["adapters"], r["adapter_bytes"]) for r in lines] == [(1, 2, 100)] * 3
     assert all(r["host_s"] >= 0 for r in lines)
     assert abs(lines[1]["mono"] - lines[0]["mono"] - lines[1]["period_s"]) < 2e-6
 

@@ -27,8 +27,9 @@ things:
   (an I/O error, memory that ran out): then the requests of that moment
   fail, and a later request loads the adapter again.
 - **Admission order is a policy** (`--loraserve-admission`,
-  scheduler/admission.py): vLLM's FCFS order, or requests whose adapter is
-  already in use first, within a bound on how often a request is passed over.
+  scheduler/admission.py): vLLM's FCFS order, or requests that add no
+  adapter to the step first, within a bound on how long a request passed
+  over waits.
 - **Workers hear of every page change** through `PoolStep` on the step's
   SchedulerOutput (paging/step.py).
 """
@@ -203,7 +204,8 @@ class PoolSchedulerMixin:
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         held = self._set_aside_cold()
         try:
-            self._admission.order(self.waiting, self.adapter_pages.in_use, self.policy)
+            self._admission.order(self.waiting, self._preferred, self._still_waiting,
+                                  self.policy)
             out = super().schedule(*args, **kwargs)
         finally:
             for queue, requests in held:
@@ -214,6 +216,22 @@ class PoolSchedulerMixin:
         step.waits, self._waits = self._waits, []
         setattr(out, STEP_ATTR, step)
         return out
+
+    def _preferred(self, request: Any) -> bool:
+        """The admission policy may put it first: it adds no adapter to the
+        step, or it was preempted (vLLM puts it back first: it keeps its place)."""
+        from vllm.v1.request import RequestStatus
+
+        lr = request.lora_request
+        return lr is None or self.adapter_pages.in_use(lr.lora_int_id) or \
+            request.status == RequestStatus.PREEMPTED
+
+    def _still_waiting(self, request_id: str) -> bool:
+        from vllm.v1.request import RequestStatus
+
+        r = self.requests.get(request_id)
+        return r is not None and r.status != RequestStatus.RUNNING and \
+            not RequestStatus.is_finished(r.status)
 
     def _ready(self, lora_id: int) -> bool:
         if self.adapter_pages.replaced_in_use(lora_id):

@@ -149,7 +149,7 @@ def _run_step(manager, scheduler_output, forward):
         out = forward()
     finally:
         manager.end_forward()  # before the report: a load may fail in the forward pass
-    if manager.step_trace is not None and tokens:
+    if manager.step_trace is not None:
         manager.step_trace.record(start, time.monotonic(), tokens, manager.trace_counts())
     return _with_report(manager, out)
 

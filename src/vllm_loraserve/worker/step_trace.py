@@ -1,7 +1,8 @@
 """A per-step trace of the pool, for diagnosis (opt-in, off by default).
 
 With `LORASERVE_STEP_TRACE=PREFIX` in a worker's environment, the worker
-appends one JSON line per step that runs tokens to `PREFIX-<pid>.jsonl`
+appends one JSON line per step (idle ones too: they apply page loads) to
+`PREFIX-<pid>.jsonl`
 (benchmarks/e2e/bench_e2e.py --step-trace reads it). Host clocks only: it
 never waits for the device, so it changes no step's timing but for the
 write of one line.
