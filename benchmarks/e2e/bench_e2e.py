@@ -124,6 +124,8 @@ def config_env(name: str) -> dict[str, str]:
     if KV_MATCHED.fullmatch(name):
         return CONFIG_ENV["none-v1"]
     return CONFIG_ENV.get(name, {})
+
+
 POOL_KW = dict(enable_lora=True, max_loras=1, additional_config={"loraserve": {}})
 GRAPH_KEYS = ("max_cudagraph_capture_size", "cudagraph_capture_sizes")
 # bench_e2e.py's defaults: a run with others is a diagnostic (summary.py says so).
@@ -548,6 +550,14 @@ KV_MATCHED_KEYS = ("kv_matched", "kv_matched_steps", "lora_ms_per_step_kv_matche
 KV_MATCH_STEPS = 0.01
 
 
+def bytes_time(r: dict, summary: dict) -> float | None:
+    """Seconds a step of config `r` needs to read its adapter bytes once at the
+    call's copy bandwidth (the memory roofline), where both are known."""
+    if "adapter_bytes_timed" not in r or not summary.get("copy_bw_bytes_s"):
+        return None
+    return r["adapter_bytes_timed"] / r["engine_steps"] / summary["copy_bw_bytes_s"]
+
+
 def roofline(summary: dict) -> None:
     """Each config's LoRA time per step (its step time minus none's), adapter
     bytes read per step and roofline efficiency (module docstring)."""
@@ -570,10 +580,9 @@ def roofline(summary: dict) -> None:
         r["steps_vs_none"] = round(none["engine_steps"] / r["engine_steps"], 3)
         extra = (r["gen_s"] - none["gen_s"]) / r["engine_steps"]
         r["extra_ms_per_step"] = round(1e3 * extra, 3)
-        if "adapter_bytes_timed" in r:
-            per_step = r["adapter_bytes_timed"] / r["engine_steps"]
-            r["adapter_bytes_per_step"] = round(per_step)
-            bytes_s = per_step / summary["copy_bw_bytes_s"]
+        bytes_s = bytes_time(r, summary)
+        if bytes_s is not None:
+            r["adapter_bytes_per_step"] = round(r["adapter_bytes_timed"] / r["engine_steps"])
             r["roofline_ms_per_step"] = round(1e3 * bytes_s, 3)
             r["roofline_ratio"] = round(
                 none["gen_s"] / (none["gen_s"] + r["engine_steps"] * bytes_s), 3)
@@ -599,15 +608,17 @@ def kv_matched(summary: dict) -> None:
             continue
         near = [(abs(m["engine_steps"] / r["engine_steps"] - 1), n) for n, m in matched.items()
                 if same_graphs(r, m)]
-        if not near or min(near)[0] > KV_MATCH_STEPS:
+        if not near:
             continue
-        m = matched[min(near)[1]]
+        off, match = min(near)
+        if off > KV_MATCH_STEPS:
+            continue
+        m = matched[match]
         lora_s = (r["gen_s"] - m["gen_s"]) / r["engine_steps"]
-        r["kv_matched"] = min(near)[1]
-        r["kv_matched_steps"] = m["engine_steps"]
+        r["kv_matched"], r["kv_matched_steps"] = match, m["engine_steps"]
         r["lora_ms_per_step_kv_matched"] = round(1e3 * lora_s, 3)
-        if "adapter_bytes_timed" in r and lora_s > 0 and summary.get("copy_bw_bytes_s"):
-            bytes_s = r["adapter_bytes_timed"] / r["engine_steps"] / summary["copy_bw_bytes_s"]
+        bytes_s = bytes_time(r, summary)
+        if bytes_s is not None and lora_s > 0:
             r["roofline_efficiency_kv_matched"] = round(bytes_s / lora_s, 3)
 
 

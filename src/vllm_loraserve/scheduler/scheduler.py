@@ -42,6 +42,10 @@ import sys
 import time
 from typing import Any
 
+# At module level: the admission policy asks a request's status for every
+# waiting request in every step.
+from vllm.v1.request import RequestStatus
+
 from vllm_loraserve._patching import overlay, wrap
 from vllm_loraserve.adapters.peft import (
     AdapterError,
@@ -220,15 +224,11 @@ class PoolSchedulerMixin:
     def _preferred(self, request: Any) -> bool:
         """The admission policy may put it first: it adds no adapter to the
         step, or it was preempted (vLLM puts it back first: it keeps its place)."""
-        from vllm.v1.request import RequestStatus
-
         lr = request.lora_request
         return lr is None or self.adapter_pages.in_use(lr.lora_int_id) or \
             request.status == RequestStatus.PREEMPTED
 
     def _still_waiting(self, request_id: str) -> bool:
-        from vllm.v1.request import RequestStatus
-
         r = self.requests.get(request_id)
         return r is not None and r.status != RequestStatus.RUNNING and \
             not RequestStatus.is_finished(r.status)

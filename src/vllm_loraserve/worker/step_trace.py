@@ -2,10 +2,9 @@
 
 With `LORASERVE_STEP_TRACE=PREFIX` in a worker's environment, the worker
 appends one JSON line per step (idle ones too: they apply page loads) to
-`PREFIX-<pid>.jsonl`
-(benchmarks/e2e/bench_e2e.py --step-trace reads it). Host clocks only: it
-never waits for the device, so it changes no step's timing but for the
-write of one line.
+`PREFIX-<pid>.jsonl` (benchmarks/e2e/bench_e2e.py --step-trace reads it).
+Host clocks only: it never waits for the device, so it changes no step's
+timing but for the write of one line.
 
 Fields of a line:
 - `mono`: `time.monotonic()` at the step's start (execute_model), one clock
