@@ -31,7 +31,7 @@ ADDITIONAL_CONFIG_KEY = "loraserve"
 # graph, and their caches must not be taken for each other's.
 COMPILE_FIELDS = ("pool", "kernel", "max_slots", "model_runner")
 RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads", "read_in",
-                  "pack", "admission",
+                  "pack",
                   "cold_start", "cold_start_group_layers", "cpu_assist_workers")
 
 
@@ -128,18 +128,6 @@ class LoraServeConfig:
         "with 1000.",
         flag="--loraserve-model-runner",
         choices=("auto", "v1"),
-    )
-    admission: str = _opt(
-        "fcfs",
-        "The order in which the paged pool's scheduler offers waiting requests "
-        "to vLLM's admission (scheduler/admission.py). 'fcfs': vLLM's own. "
-        "'affinity' (experimental, not yet measured on a GPU): requests whose "
-        "adapter a running request already uses go first, so that when KV runs "
-        "out, fewer distinct adapters take pages and are read in each step; a "
-        "request this puts behind a later one goes to the front after 8 steps "
-        "in the queue. With vLLM's FCFS scheduling policy only.",
-        flag="--loraserve-admission",
-        choices=("fcfs", "affinity"),
     )
     kernel: str = _opt(
         "auto",

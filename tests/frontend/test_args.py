@@ -126,11 +126,6 @@ def _activate(**kw):
     return ea
 
 
-def test_affinity_admission_takes_the_fcfs_policy():
-    ea = _activate(enable_lora=True, additional_config={"loraserve": {"admission": "affinity"}})
-    assert cli.active_config().admission == "affinity" and ea.scheduling_policy == "fcfs"
-
-
 def test_activate_wires_worker_extension(tmp_path):
     ea = _activate(enable_lora=True,
                    additional_config={"loraserve": {"adapter_dirs": [str(tmp_path)]}})
@@ -146,9 +141,6 @@ def test_activate_wires_worker_extension(tmp_path):
      r"unknown loraserve option\(s\) \['bogus'\]"),
     ({"enable_lora": True, "worker_extension_cls": "my.Ext",
       "additional_config": {"loraserve": {}}}, "cannot be combined with my.Ext"),
-    ({"enable_lora": True, "scheduling_policy": "priority",
-      "additional_config": {"loraserve": {"admission": "affinity"}}},
-     "it does not apply with --scheduling-policy priority"),
 ])
 def test_activate_refuses(kw, message):
     with pytest.raises(ValueError, match=message):

@@ -179,10 +179,6 @@ def activate(engine_args: Any) -> None:
             raise ValueError(f"the loraserve pool needs --scheduler-cls {POOL_SCHEDULER}; it "
                              f"cannot be combined with {sched} (or use --loraserve-pool vllm)")
         engine_args.scheduler_cls = POOL_SCHEDULER
-        if cfg.admission != "fcfs" and engine_args.scheduling_policy != "fcfs":
-            raise ValueError(f"--loraserve-admission {cfg.admission} reorders vLLM's FCFS "
-                             "queue; it does not apply with --scheduling-policy "
-                             f"{engine_args.scheduling_policy}")
         if cfg.model_runner == "v1" and \
                 os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").lower() in ("1", "true"):
             raise ValueError("the loraserve pool runs on vLLM's V1 model runner: unset "

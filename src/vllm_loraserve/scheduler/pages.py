@@ -86,11 +86,6 @@ class AdapterPages:
     def holds(self, request_id: str) -> bool:
         return request_id in self._holders
 
-    def in_use(self, lora_id: int) -> bool:
-        """Resident and held by a running or scheduled request."""
-        r = self.resident.get(lora_id)
-        return r is not None and r.refs > 0
-
     def evictable_pages(self, keep: int | None = None) -> int:
         return sum(len(self.resident[i].blocks) for i in self._idle if i != keep)
 

@@ -26,10 +26,6 @@ things:
   adapter is removed or reloaded, unless the worker reports it transient
   (an I/O error, memory that ran out): then the requests of that moment
   fail, and a later request loads the adapter again.
-- **Admission order is a policy** (`--loraserve-admission`,
-  scheduler/admission.py): vLLM's FCFS order, or requests that add no
-  adapter to the step first, within a bound on how long a request passed
-  over waits.
 - **Workers hear of every page change** through `PoolStep` on the step's
   SchedulerOutput (paging/step.py).
 """
@@ -42,10 +38,6 @@ import sys
 import time
 from typing import Any
 
-# At module level: the admission policy asks a request's status for every
-# waiting request in every step.
-from vllm.v1.request import RequestStatus
-
 from vllm_loraserve._patching import overlay, wrap
 from vllm_loraserve.adapters.peft import (
     AdapterError,
@@ -57,9 +49,7 @@ from vllm_loraserve.config import from_vllm_config
 from vllm_loraserve.paging.layout import LayerLayout
 from vllm_loraserve.paging.model import model_layout
 from vllm_loraserve.paging.step import REPORT_ATTR, STEP_ATTR, PoolReport, Prefetch
-from vllm_loraserve.scheduler.admission import ADMISSIONS
 from vllm_loraserve.scheduler.pages import AdapterPages
-from vllm_loraserve.scheduler.queues import take_out
 from vllm_loraserve.scheduler.waits import AdapterWaits
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -110,6 +100,20 @@ def pool_layout(vllm_config: Any, page_size: int) -> LayerLayout:
     return model_layout(vllm_config.model_config.hf_text_config, page_size)
 
 
+def take_out(queue: Any, requests: list[Any], policy: Any) -> Any:
+    """Remove `requests` (in queue order) from a vLLM request queue; returns
+    them as a queue that `queue.prepend_requests` puts back in that order
+    (it takes its argument back to front, as vLLM's own skipped queue is
+    built)."""
+    from vllm.v1.core.sched.request_queue import create_request_queue
+
+    queue.remove_requests(requests)
+    aside = create_request_queue(policy)
+    for request in requests:
+        aside.prepend_request(request)
+    return aside
+
+
 class PoolSchedulerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -148,10 +152,6 @@ class PoolSchedulerMixin:
         self.lora_config = overlay(self.lora_config, max_loras=sys.maxsize)
         self.adapter_pages = AdapterPages(self.kv_cache_manager.block_pool, demand,
                                           cfg.max_slots)
-        self._admission = ADMISSIONS[cfg.admission]()
-        if cfg.admission == "affinity":
-            logger.warning("vllm-loraserve: --loraserve-admission affinity: experimental, "
-                           "not yet measured on a GPU")
         self.kv_cache_manager.allocate_slots = self._make_allocate(
             self.kv_cache_manager.allocate_slots)
         self.kv_cache_manager.reset_prefix_cache = self._make_reset(
@@ -208,8 +208,6 @@ class PoolSchedulerMixin:
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         held = self._set_aside_cold()
         try:
-            self._admission.order(self.waiting, self._preferred, self._still_waiting,
-                                  self.policy)
             out = super().schedule(*args, **kwargs)
         finally:
             for queue, requests in held:
@@ -220,18 +218,6 @@ class PoolSchedulerMixin:
         step.waits, self._waits = self._waits, []
         setattr(out, STEP_ATTR, step)
         return out
-
-    def _preferred(self, request: Any) -> bool:
-        """The admission policy may put it first: it adds no adapter to the
-        step, or it was preempted (vLLM puts it back first: it keeps its place)."""
-        lr = request.lora_request
-        return lr is None or self.adapter_pages.in_use(lr.lora_int_id) or \
-            request.status == RequestStatus.PREEMPTED
-
-    def _still_waiting(self, request_id: str) -> bool:
-        r = self.requests.get(request_id)
-        return r is not None and r.status != RequestStatus.RUNNING and \
-            not RequestStatus.is_finished(r.status)
 
     def _ready(self, lora_id: int) -> bool:
         if self.adapter_pages.replaced_in_use(lora_id):
