@@ -13,6 +13,11 @@ the same process:
 - `--stream-programs-per-sm N,...`: triton_mbgmm.STREAM_PROGRAMS_PER_SM (the
   stream-K shrink's grid).
 
+`--prefill-chunks N --chunk-tokens C` puts N prefill chunks of C tokens, each
+of one adapter, in every step beside its decode tokens (engine_grid.build).
+Each part also gets the activation bytes it must move: x read by the shrink
+(`x_mb`), y read and written by the expand (`y_mb`).
+
 `zero_us` is the shrink's memset of h alone (the stream-K shrink adds into
 a zeroed h; `shrink_us` includes it).
 
@@ -85,6 +90,7 @@ def parts(pool, kind: str, tokens: int, dev: torch.device) -> dict:
                             ("both", both))}
     a, bb, a_blk, b_blk = module_bytes(pool, m, batches)
     out.update(a_mb=round(a / 1e6, 2), b_mb=round(bb / 1e6, 2),
+               x_mb=round(x.numel() * 2 / 1e6, 2), y_mb=round(y.numel() * 4 / 1e6, 2),
                a_blocks_mb=round(a_blk / 1e6, 2), b_blocks_mb=round(b_blk / 1e6, 2),
                blocks=sum(bt.num_blocks for bt in batches))
     return out
@@ -99,6 +105,8 @@ def main() -> None:
     ap.add_argument("--layer-gb", type=float, default=0.0)
     ap.add_argument("--programs-per-sm", default="")
     ap.add_argument("--stream-programs-per-sm", default="")
+    ap.add_argument("--prefill-chunks", type=int, default=0)
+    ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -120,8 +128,11 @@ def main() -> None:
                 for c, v in {**defaults, **consts}.items():
                     setattr(triton_mbgmm, c, v)
                 pool, step_bytes, distinct = build(shape, kinds, mix, t, dev,
+                                                   chunks=a.prefill_chunks,
+                                                   chunk_tokens=a.chunk_tokens,
                                                    layer_gb=layer_gb)
                 row = dict(mix=mix, tokens=t, variant=name, distinct=distinct,
+                           prefill_chunks=a.prefill_chunks, chunk_tokens=a.chunk_tokens,
                            mb_per_layer=round(step_bytes / LAYERS / 1e6, 2))
                 for kind in kinds:
                     p = parts(pool, kind, t, dev)
