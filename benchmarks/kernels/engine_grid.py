@@ -166,6 +166,16 @@ def copy_tb_s(dev: torch.device) -> float:
     return 2 * src.numel() / ms / 1e9
 
 
+def save(args: argparse.Namespace, peak: float, rows: list[dict], **extra) -> None:
+    """A run's rows to `args.out`, under the device, versions, shape and
+    targets, the layers per graph and the copy bandwidth of the process."""
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "triton": triton.__version__, "shape": args.shape, "targets": args.targets,
+                   **extra, "layers": LAYERS, "copy_tb_s": round(peak, 3), "rows": rows},
+                  f, indent=1)
+
+
 def load_module(path: str, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
@@ -299,11 +309,8 @@ def main() -> None:
             rows.append(row)
             del pools
             torch.cuda.empty_cache()
-    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "triton": triton.__version__, "shape": a.shape, "targets": a.targets,
-               "rules": rules, "eager": a.eager, "small_batch": pool_mod.SMALL_BATCH,
-               "tall": pool_mod.TALL, "layers": LAYERS, "copy_tb_s": round(peak, 3), "rows": rows},
-              open(a.out, "w"), indent=1)
+    save(a, peak, rows, rules=rules, eager=a.eager, small_batch=pool_mod.SMALL_BATCH,
+         tall=pool_mod.TALL)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,7 @@ import json
 
 import numpy as np
 import torch
-import triton
-from engine_grid import LAYERS, MODULES, SHAPES, TARGETS, build, copy_tb_s, graph_us
+from engine_grid import LAYERS, MODULES, SHAPES, TARGETS, build, copy_tb_s, graph_us, save
 
 from vllm_loraserve.kernels import triton_mbgmm
 from vllm_loraserve.kernels.batch import ModuleSlices
@@ -148,10 +147,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
     for c, v in defaults.items():
         setattr(triton_mbgmm, c, v)
-    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "triton": triton.__version__, "shape": a.shape, "targets": a.targets,
-               "layers": LAYERS, "copy_tb_s": round(peak, 3), "rows": rows},
-              open(a.out, "w"), indent=1)
+    save(a, peak, rows)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,7 @@ import functools
 import json
 
 import torch
-import triton
-from engine_grid import LAYERS, MODULES, SHAPES, TARGETS, build, copy_tb_s, graph_us
+from engine_grid import LAYERS, MODULES, SHAPES, TARGETS, build, copy_tb_s, graph_us, save
 
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.worker.pool import DevicePool
@@ -141,10 +140,7 @@ def main() -> None:
             rows.append(row)
             del pool, step, outs
             torch.cuda.empty_cache()
-    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "triton": triton.__version__, "shape": a.shape, "targets": a.targets,
-               "layers": LAYERS, "copy_tb_s": round(peak, 3), "rows": rows},
-              open(a.out, "w"), indent=1)
+    save(a, peak, rows)
 
 
 if __name__ == "__main__":
