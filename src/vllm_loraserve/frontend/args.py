@@ -205,8 +205,9 @@ def activate(engine_args: Any) -> None:
                            "V1 with many adapters (docs/benchmarks/e2e.md, session 33)")
         if os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0").strip() not in ("", "0"):
             # vLLM would then run each LoRA layer inside an op of its own, on a
-            # second stream: a path the pool's kernels and buffers were never
-            # run or tested on.
+            # second stream beside the base GEMM: a path the pool's buffers were
+            # never tested on, and slower with its kernels from 256 tokens on
+            # (docs/benchmarks/kernels.md, session 34).
             raise ValueError("the loraserve pool runs LoRA on the model's stream: unset "
                              "VLLM_LORA_ENABLE_DUAL_STREAM (or use --loraserve-pool vllm)")
     engine_args.additional_config[ADDITIONAL_CONFIG_KEY] = cfg.to_dict()
