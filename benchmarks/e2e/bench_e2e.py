@@ -543,7 +543,8 @@ def same_graphs(config: dict, none: dict) -> bool:
 VS_NONE = ("lora_ms_per_step", "steps_vs_none", "extra_ms_per_step", "roofline_ratio",
            "roofline_efficiency", "roofline_efficiency_total")
 KV_MATCHED_KEYS = ("kv_matched", "kv_matched_steps", "lora_ms_per_step_kv_matched",
-                   "roofline_efficiency_kv_matched")
+                   "roofline_efficiency_kv_matched", "lora_gpu_busy_ms_per_step_kv_matched",
+                   "lora_gpu_idle_ms_per_step_kv_matched")
 # A `none-kvN` run stands for a config's base work when their steps differ by
 # at most this share: each step of difference is a whole step's time (~40 ms
 # at Llama-2-7B) charged to LoRA, ~0.4 ms a step per 1%.
@@ -598,7 +599,10 @@ def kv_matched(summary: dict) -> None:
     (within KV_MATCH_STEPS): its generation time minus that run's, over its
     steps. That run's steps hold as few requests as the config's KV allows,
     so the difference is the LoRA work alone, where the LoRA time against
-    `none` charges each extra step at none's mean step."""
+    `none` charges each extra step at none's mean step. Where both runs have
+    NVML's GPU utilisation, that time is split into the GPU's busy time
+    beyond that run's (kernels, page copies) and the rest: the GPU idle,
+    waiting for the host."""
     matched = {n: r for n, r in summary["configs"].items()
                if KV_MATCHED.fullmatch(n) and r.get("engine_steps")}
     for name, r in summary["configs"].items():
@@ -620,6 +624,11 @@ def kv_matched(summary: dict) -> None:
         bytes_s = bytes_time(r, summary)
         if bytes_s is not None and lora_s > 0:
             r["roofline_efficiency_kv_matched"] = round(bytes_s / lora_s, 3)
+        utils = [x.get("pacing", {}).get("gpu_util_mean") for x in (r, m)]
+        if None not in utils:
+            busy_s = (r["gen_s"] * utils[0] - m["gen_s"] * utils[1]) / r["engine_steps"]
+            r["lora_gpu_busy_ms_per_step_kv_matched"] = round(1e3 * busy_s, 3)
+            r["lora_gpu_idle_ms_per_step_kv_matched"] = round(1e3 * (lora_s - busy_s), 3)
 
 
 def run_child(cmd: list[str], env: dict, log_file: IO, timeout_s: float,

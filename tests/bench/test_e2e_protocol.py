@@ -79,9 +79,10 @@ def test_lora_time_against_a_none_of_the_pools_kv():
     with pytest.raises(KeyError):
         bench_e2e.config_of("none-kv")
     pool = {**_config(8000, 1024, steps=550), "adapter_bytes_timed": 550 * 40e9,
-            "plugin": True}
+            "plugin": True, "pacing": {"gpu_util_mean": 0.9}}
     far = {**_config(9900, 1024, steps=500), "plugin": True}  # pool-100: no none-kv near
-    configs = {"none-kv9000": _config(9500, 1024, steps=553),
+    configs = {"none-kv9000": {**_config(9500, 1024, steps=553),
+                               "pacing": {"gpu_util_mean": 0.98}},
                "none-kv8000": _config(9000, 1024, steps=560),
                "none-kv9100": _config(9400, 512, steps=550),  # other graphs
                "pool-1000": pool, "pool-100": far}
@@ -95,9 +96,19 @@ def test_lora_time_against_a_none_of_the_pools_kv():
         lora_s = (31.25 - 250 / 9.5) / 550
         assert r["lora_ms_per_step_kv_matched"] == pytest.approx(1e3 * lora_s, abs=1e-3)
         assert r["roofline_efficiency_kv_matched"] == pytest.approx(0.01 / lora_s, abs=1e-3)
+        # The GPU busy beyond none-kv's busy time, and the rest idle.
+        busy_s = (31.25 * 0.9 - 250 / 9.5 * 0.98) / 550
+        assert r["lora_gpu_busy_ms_per_step_kv_matched"] == pytest.approx(1e3 * busy_s, abs=1e-3)
+        assert r["lora_gpu_idle_ms_per_step_kv_matched"] == pytest.approx(
+            1e3 * (lora_s - busy_s), abs=1e-3)
         assert "kv_matched" not in run["configs"]["pool-100"]
     out = summary.summarize([run])
     assert out["pool-1000"]["kv_matched"] == "none-kv9000" and "kv_matched" not in out["pool-100"]
+    assert "lora_gpu_idle_ms_per_step_kv_matched" in out["pool-1000"]
+    del configs["none-kv9000"]["pacing"]  # no NVML in one run: no split, the rest stays
+    bench_e2e.roofline(run)
+    r = run["configs"]["pool-1000"]
+    assert "lora_gpu_busy_ms_per_step_kv_matched" not in r and "kv_matched" in r
     configs["none-kv9000"]["engine_steps"] = 600  # now none is near: nothing stale is kept
     bench_e2e.roofline(run)
     assert "kv_matched" not in run["configs"]["pool-1000"]
