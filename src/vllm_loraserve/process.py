@@ -5,6 +5,7 @@ outlives it)."""
 from __future__ import annotations
 
 import os
+import random
 import shlex
 import signal
 import socket
@@ -43,8 +44,34 @@ def shell_line(cmd: list[str], env: dict[str, str]) -> str:
     return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd)])
 
 
+# Ports free_port draws from lie below the kernel's ephemeral range: a port
+# the kernel hands out to any socket bound to port 0 (vLLM's engines, ZMQ,
+# outgoing connections) is never one of them, so none of those can take a
+# port between its pick and the server's bind (a test server failed to start
+# that way: "Address already in use").
+_PORT_SPAN = 10000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback TCP port nothing listens on, for a server to bind next."""
+    low = _ephemeral_low()
+    if low - _PORT_SPAN >= 1024:
+        for port in random.sample(range(low - _PORT_SPAN, low), 64):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # no such range here, or all 64 taken: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
