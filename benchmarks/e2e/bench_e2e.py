@@ -419,8 +419,10 @@ STEP_TRACE_ENV = "LORASERVE_STEP_TRACE"  # worker/step_trace.py
 
 def step_trace_summary(prefix: str, start: float, end: float) -> dict:
     """The timed run's steps in the workers' step traces (--step-trace):
-    their periods and host times, apart for steps with page loads and
-    without (what a load step costs beyond the others)."""
+    their periods and host times (the page decisions and loads apart, and
+    the engine thread's CPU time in them), and the engine thread's time
+    between steps, apart for steps with page loads and without (what a load
+    step costs beyond the others)."""
     import glob
 
     # A step's period runs from the previous step's start: the first step of
@@ -435,7 +437,8 @@ def step_trace_summary(prefix: str, start: float, end: float) -> dict:
         n = len(group)
         out[name] = {"n": n, **({
             "period_ms": round(1e3 * sum(r["period_s"] for r in group) / n, 3),
-            "host_ms": round(1e3 * sum(r["host_s"] for r in group) / n, 3),
+            **{f"{k}_ms": round(1e3 * sum(r[f"{k}_s"] for r in group) / n, 3)
+               for k in ("host", "apply", "cpu", "gap")},
             "tokens": round(sum(r["tokens"] for r in group) / n, 1),
             "adapters": round(sum(r["adapters"] for r in group) / n, 1),
             "loads": round(sum(r["loads"] for r in group) / n, 2)} if n else {})}

@@ -124,7 +124,9 @@ def test_step_trace_summary_takes_the_timed_runs_steps_apart(tmp_path):
     assert bench_e2e.STEP_TRACE_ENV == ENV
 
     def line(mono, period, loads, host=0.001, tokens=100, adapters=5):
-        return json.dumps({"mono": mono, "period_s": period, "host_s": host, "tokens": tokens,
+        return json.dumps({"mono": mono, "period_s": period, "host_s": host,
+                           "apply_s": host / 4 * (1 + loads), "cpu_s": host / 2,
+                           "gap_s": period and period - host, "tokens": tokens,
                            "loads": loads, "evictions": 0, "adapters": adapters,
                            "adapter_bytes": 1}) + "\n"
 
@@ -137,8 +139,10 @@ def test_step_trace_summary_takes_the_timed_runs_steps_apart(tmp_path):
     (tmp_path / "pool-100-steps-13.jsonl").write_text(line(10.2, 0.9, 0))  # another config
     out = bench_e2e.step_trace_summary(str(tmp_path / "pool-1000-steps"), 9.0, 20.0)
     assert out["steps"] == 4
-    assert out["load_steps"] == {"n": 2, "period_ms": 45.0, "host_ms": 1.0, "tokens": 100.0,
+    assert out["load_steps"] == {"n": 2, "period_ms": 45.0, "host_ms": 1.0, "apply_ms": 0.625,
+                                 "cpu_ms": 0.5, "gap_ms": 44.0, "tokens": 100.0,
                                  "adapters": 5.0, "loads": 1.5}
+    assert out["other_steps"]["apply_ms"] == 0.25
     assert out["other_steps"]["n"] == 2 and out["other_steps"]["period_ms"] == 30.0
     assert out["other_steps"]["tokens"] == 150.0
     empty = bench_e2e.step_trace_summary(str(tmp_path / "none-steps"), 9.0, 20.0)

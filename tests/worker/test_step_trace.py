@@ -5,6 +5,7 @@ of the pool's running totals) and the time since the previous step."""
 from __future__ import annotations
 
 import json
+import time
 
 from vllm_loraserve.paging.step import STEP_ATTR
 from vllm_loraserve.worker import hooks
@@ -19,7 +20,7 @@ class Manager:
         self.step_trace, self.totals = trace, [0, 0, 0, 0]
 
     def apply_step(self, step, idle=False):
-        pass
+        time.sleep(0.02)  # page decisions that wait (no CPU time)
 
     def end_forward(self):
         pass
@@ -56,6 +57,14 @@ def test_each_step_is_a_line_with_its_own_counts(tmp_path, monkeypatch):
     assert [(r["loads"], r["adapters"], r["adapter_bytes"]) for r in lines] == [(1, 2, 100)] * 3
     assert all(r["host_s"] >= 0 for r in lines)
     assert abs(lines[1]["mono"] - lines[0]["mono"] - lines[1]["period_s"]) < 2e-6
+    # The page decisions' share of the host time, and the thread's CPU time
+    # in it: the 20 ms wait in apply_step is host time, not CPU time.
+    assert all(0.02 <= r["apply_s"] <= r["host_s"] for r in lines)
+    assert all(0 <= r["cpu_s"] <= r["host_s"] - 0.015 for r in lines)
+    # The gap runs from the previous step's end to this one's start.
+    assert lines[0]["gap_s"] is None
+    for prev, r in zip(lines, lines[1:], strict=False):
+        assert abs(r["gap_s"] - (r["period_s"] - prev["host_s"])) < 2e-6
 
 
 def test_off_without_the_variable(monkeypatch):

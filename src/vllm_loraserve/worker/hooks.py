@@ -142,15 +142,17 @@ def _run_step(manager, scheduler_output, forward):
     the PoolReport on its output; a line of the step trace where it is on."""
     from vllm_loraserve.paging.step import STEP_ATTR
 
-    start = time.monotonic()
+    start, cpu0 = time.monotonic(), time.thread_time()
     tokens = scheduler_output.total_num_scheduled_tokens
     manager.apply_step(getattr(scheduler_output, STEP_ATTR, None), idle=tokens == 0)
+    applied = time.monotonic()
     try:
         out = forward()
     finally:
         manager.end_forward()  # before the report: a load may fail in the forward pass
     if manager.step_trace is not None:
-        manager.step_trace.record(start, time.monotonic(), tokens, manager.trace_counts())
+        manager.step_trace.record(start, applied, time.monotonic(), time.thread_time() - cpu0,
+                                  tokens, manager.trace_counts())
     return _with_report(manager, out)
 
 

@@ -13,7 +13,14 @@ Fields of a line:
   for each step's output before it schedules the next (vLLM's synchronous
   scheduling), this is the step's whole time;
 - `host_s`: the worker's time in the step (page decisions, the forward's
-  launches, its end);
+  launches, its end); `apply_s`: its first part, the page decisions and
+  loads, before the forward's launches;
+- `cpu_s`: the engine thread's CPU time within `host_s`; the rest of
+  `host_s` it waited (for the GIL, which the host tier's reader threads
+  share, or for the device);
+- `gap_s`: since the previous traced step's end: the engine thread's time
+  outside the worker's step (vLLM's scheduling, input and output
+  processing, and its wait for the step in flight's output);
 - `tokens`; `loads` and `evictions`: page loads and evictions of the step;
   `adapters` and `adapter_bytes`: distinct adapters of its tokens and their
   weights' bytes (the memory roofline's share of the step).
@@ -37,6 +44,7 @@ class StepTrace:
         self.path = f"{prefix}-{os.getpid()}.jsonl"
         self._file: IO[str] = open(self.path, "a", buffering=1)
         self._last_start: float | None = None
+        self._last_end: float | None = None
         self._last_counts: tuple[int, ...] | None = None
 
     @classmethod
@@ -44,17 +52,21 @@ class StepTrace:
         prefix = os.environ.get(ENV)
         return cls(prefix) if prefix else None
 
-    def record(self, start: float, end: float, tokens: int,
+    def record(self, start: float, applied: float, end: float, cpu_s: float, tokens: int,
                counts: tuple[int, int, int, int]) -> None:
-        """A step from `start` to `end` (monotonic seconds) that ran `tokens`;
-        `counts`: the pool's running totals of (page loads, evictions, step
-        adapters, step adapter bytes) after it. The first step after start-up
-        has no period; its counts are totals since then."""
+        """A step from `start` to `end` (monotonic seconds), its page
+        decisions done at `applied`, `cpu_s` of the thread's CPU time in it,
+        that ran `tokens`; `counts`: the pool's running totals of (page loads,
+        evictions, step adapters, step adapter bytes) after it. The first step
+        after start-up has no period and no gap; its counts are totals since
+        then."""
         last = self._last_counts or (0, 0, 0, 0)
         loads, evictions, adapters, nbytes = (c - p for c, p in zip(counts, last, strict=True))
         period = None if self._last_start is None else round(start - self._last_start, 6)
+        gap = None if self._last_end is None else round(start - self._last_end, 6)
         self._file.write(json.dumps({
             "mono": round(start, 6), "period_s": period, "host_s": round(end - start, 6),
+            "apply_s": round(applied - start, 6), "cpu_s": round(cpu_s, 6), "gap_s": gap,
             "tokens": tokens, "loads": loads, "evictions": evictions, "adapters": adapters,
             "adapter_bytes": nbytes}) + "\n")
-        self._last_start, self._last_counts = start, counts
+        self._last_start, self._last_end, self._last_counts = start, end, counts
