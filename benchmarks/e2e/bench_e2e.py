@@ -67,7 +67,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import IO
+from typing import IO, Any
 
 SHAPES = {
     "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -261,7 +261,7 @@ class Pacing:
             import pynvml
 
             pynvml.nvmlInit()
-            gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
+            gpu = nvml_handle(pynvml, os.environ.get("CUDA_VISIBLE_DEVICES", ""))
         except Exception as e:  # no NVML here: the CPU side is still measured
             log(f"no GPU utilisation: {e!r}")
             gpu = None
@@ -291,6 +291,16 @@ class Pacing:
         util = self._samples
         self.result = {"gpu_util_mean": round(sum(util) / len(util) / 100, 3) if util else None,
                        "gpu_util_samples": len(self._samples), "cpu_per_wall": cpu}
+
+
+def nvml_handle(pynvml: Any, visible: str) -> Any:
+    """NVML's handle of the GPU the engine uses, its first visible device:
+    NVML numbers every GPU of the machine and ignores CUDA_VISIBLE_DEVICES,
+    which names a device by index or by UUID."""
+    first = visible.split(",")[0].strip()
+    if first.startswith(("GPU-", "MIG-")):
+        return pynvml.nvmlDeviceGetHandleByUUID(first)
+    return pynvml.nvmlDeviceGetHandleByIndex(int(first) if first.isdigit() else 0)
 
 
 # -- one config (child) -------------------------------------------------------------

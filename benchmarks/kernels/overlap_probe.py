@@ -34,6 +34,7 @@ import torch
 from engine_grid import LAYERS, MODULES, SHAPES, TARGETS, build, copy_tb_s, graph_us, save
 
 from vllm_loraserve.kernels.batch import ModuleSlices
+from vllm_loraserve.worker import pool as pool_mod
 from vllm_loraserve.worker.pool import DevicePool
 
 VARIANTS = ("base", "seq", "shrink", "dual")
@@ -110,6 +111,9 @@ def main() -> None:
     ap.add_argument("--tokens", default="64,256,512,1024,2048,4096")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if any(int(t) > pool_mod.SMALL_BATCH for t in a.tokens.split(",")):
+        raise SystemExit(f"--tokens up to {pool_mod.SMALL_BATCH}: above, a layer's input runs "
+                         "in two batchings, which shrink_half does not split")
     dev = torch.device("cuda")
     shape, kinds = SHAPES[a.shape], TARGETS[a.targets]
     peak = copy_tb_s(dev)

@@ -48,8 +48,13 @@ def shell_line(cmd: list[str], env: dict[str, str]) -> str:
 # the kernel hands out to any socket bound to port 0 (vLLM's engines, ZMQ,
 # outgoing connections) is never one of them, so none of those can take a
 # port between its pick and the server's bind (a test server failed to start
-# that way: "Address already in use").
+# that way: "Address already in use"). They also stay below Kubernetes'
+# NodePort range (30000-32767), which kube-proxy may redirect on a host's
+# network. Drawn with the system's randomness: vLLM seeds `random` (seed 0 by
+# default), so processes that ran an engine would all draw the same ports.
 _PORT_SPAN = 10000
+_PORT_CEILING = 30000
+_rng = random.SystemRandom()
 
 
 def _ephemeral_low() -> int:
@@ -62,9 +67,9 @@ def _ephemeral_low() -> int:
 
 def free_port() -> int:
     """A loopback TCP port nothing listens on, for a server to bind next."""
-    low = _ephemeral_low()
-    if low - _PORT_SPAN >= 1024:
-        for port in random.sample(range(low - _PORT_SPAN, low), 64):
+    top = min(_ephemeral_low(), _PORT_CEILING)
+    if top - _PORT_SPAN >= 1024:
+        for port in _rng.sample(range(top - _PORT_SPAN, top), 64):
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", port))

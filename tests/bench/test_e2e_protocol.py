@@ -260,3 +260,20 @@ def test_a_config_s_child_leaves_no_process_behind(tmp_path, ending):
     assert _gone(int(pid_file.read_text()))
     if ending == "hang":
         assert "Fatal Python error: Aborted" in (tmp_path / "log").read_text()
+
+
+def test_nvml_handle_is_the_first_visible_gpu():
+    """NVML numbers every GPU of the machine: the engine's is the first that
+    CUDA_VISIBLE_DEVICES names, by index or by UUID (device 0 without it)."""
+    class Nvml:
+        @staticmethod
+        def nvmlDeviceGetHandleByIndex(i):
+            return ("index", i)
+
+        @staticmethod
+        def nvmlDeviceGetHandleByUUID(u):
+            return ("uuid", u)
+
+    assert bench_e2e.nvml_handle(Nvml, "") == ("index", 0)
+    assert bench_e2e.nvml_handle(Nvml, "3,1") == ("index", 3)
+    assert bench_e2e.nvml_handle(Nvml, "GPU-ab12, GPU-cd34") == ("uuid", "GPU-ab12")

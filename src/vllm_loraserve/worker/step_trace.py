@@ -15,12 +15,15 @@ Fields of a line:
 - `host_s`: the worker's time in the step (page decisions, the forward's
   launches, its end); `apply_s`: its first part, the page decisions and
   loads, before the forward's launches;
-- `cpu_s`: the engine thread's CPU time within `host_s`; the rest of
-  `host_s` it waited (for the GIL, which the host tier's reader threads
-  share, or for the device);
-- `gap_s`: since the previous traced step's end: the engine thread's time
-  outside the worker's step (vLLM's scheduling, input and output
-  processing, and its wait for the step in flight's output);
+- `cpu_s`: the worker thread's CPU time within `host_s`; the rest of
+  `host_s` it waited without running: for the GIL (which the host tier's
+  reader threads share), a lock or I/O. A wait for the device spins (CUDA's
+  default) and counts as CPU time;
+- `gap_s`: since the previous traced step's end: the worker thread's time
+  outside the runner's `execute_model` (in one process with the engine,
+  as offline with one GPU: vLLM's scheduling, its output processing and,
+  on V1 with asynchronous scheduling, `sample_tokens` with the wait for the
+  step's output and the PoolReport);
 - `tokens`; `loads` and `evictions`: page loads and evictions of the step;
   `adapters` and `adapter_bytes`: distinct adapters of its tokens and their
   weights' bytes (the memory roofline's share of the step).
