@@ -245,17 +245,19 @@ def workload(n_adapters: int, vocab: int = 32000, seed: int = 0, num: int = 1000
 
 class Pacing:
     """Who paces the timed run: the GPU's utilisation (NVML: the share of
-    each sample period in which some kernel ran, sampled every 20 ms), and
-    the CPU seconds of this process and of each engine process it started,
-    over the run's wall time. An engine process near 1.0 CPU while the GPU
-    is well below 1.0 is bound by its host."""
+    each sample period in which some kernel ran, sampled every 20 ms), its
+    mean and its idle share in each second of the run (`gpu_idle_by_second`:
+    where in the run the GPU waited, to set beside the step trace's times),
+    and the CPU seconds of this process and of each engine process it
+    started, over the run's wall time. An engine process near 1.0 CPU while
+    the GPU is well below 1.0 is bound by its host."""
 
     def __enter__(self) -> Pacing:
         import threading
 
         import psutil
 
-        self._samples: list[int] = []
+        self._samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
         try:
             import pynvml
@@ -268,13 +270,14 @@ class Pacing:
 
         def sample() -> None:
             while gpu is not None and not self._stop.wait(0.02):
-                self._samples.append(pynvml.nvmlDeviceGetUtilizationRates(gpu).gpu)
+                self._samples.append((time.monotonic(),
+                                      pynvml.nvmlDeviceGetUtilizationRates(gpu).gpu))
 
         me = psutil.Process()
         self._procs = [me, *me.children(recursive=True)]
         self._cpu0 = [sum(p.cpu_times()[:2]) for p in self._procs]
         self._thread = threading.Thread(target=sample, daemon=True)
-        self._t0 = time.perf_counter()
+        self._t0, self._mono0 = time.perf_counter(), time.monotonic()
         self._thread.start()
         return self
 
@@ -288,9 +291,23 @@ class Pacing:
                 cpu[f"{p.name()}-{p.pid}"] = round((sum(p.cpu_times()[:2]) - c0) / wall, 3)
             except Exception:  # an engine helper that exited
                 continue
-        util = self._samples
+        util = [u for _, u in self._samples]
         self.result = {"gpu_util_mean": round(sum(util) / len(util) / 100, 3) if util else None,
-                       "gpu_util_samples": len(self._samples), "cpu_per_wall": cpu}
+                       "gpu_util_samples": len(util),
+                       "gpu_idle_by_second": idle_by_second(self._samples, self._mono0),
+                       "cpu_per_wall": cpu}
+
+
+def idle_by_second(samples: list[tuple[float, int]], start: float) -> list[float]:
+    """The GPU's idle share (1 - mean utilisation) in each whole second from
+    `start` (monotonic) of (time, utilisation %) samples; a second without
+    samples is None."""
+    if not samples:
+        return []
+    bins: list[list[int]] = [[] for _ in range(int(samples[-1][0] - start) + 1)]
+    for t, u in samples:
+        bins[int(t - start)].append(u)
+    return [round(1 - sum(b) / len(b) / 100, 3) if b else None for b in bins]
 
 
 def nvml_handle(pynvml: Any, visible: str) -> Any:
@@ -430,9 +447,10 @@ STEP_TRACE_ENV = "LORASERVE_STEP_TRACE"  # worker/step_trace.py
 def step_trace_summary(prefix: str, start: float, end: float) -> dict:
     """The timed run's steps in the workers' step traces (--step-trace):
     their periods and host times (the page decisions and loads apart, and
-    the engine thread's CPU time in them), and the engine thread's time
-    between steps, apart for steps with page loads and without (what a load
-    step costs beyond the others)."""
+    the engine thread's CPU time in them), the engine thread's time between
+    steps and the garbage collector's (means a step), and the full
+    collections, cudaFrees and failed cudaMallocs (totals), apart for steps
+    with page loads and without (what a load step costs beyond the others)."""
     import glob
 
     # A step's period runs from the previous step's start: the first step of
@@ -448,7 +466,9 @@ def step_trace_summary(prefix: str, start: float, end: float) -> dict:
         out[name] = {"n": n, **({
             "period_ms": round(1e3 * sum(r["period_s"] for r in group) / n, 3),
             **{f"{k}_ms": round(1e3 * sum(r[f"{k}_s"] for r in group) / n, 3)
-               for k in ("host", "apply", "cpu", "gap")},
+               for k in ("host", "apply", "cpu", "gap", "gc")},
+            **{k: sum(r[k] or 0 for r in group)
+               for k in ("gc_full", "device_frees", "alloc_retries")},
             "tokens": round(sum(r["tokens"] for r in group) / n, 1),
             "adapters": round(sum(r["adapters"] for r in group) / n, 1),
             "loads": round(sum(r["loads"] for r in group) / n, 2)} if n else {})}

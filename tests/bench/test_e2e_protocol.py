@@ -123,25 +123,28 @@ def test_step_trace_summary_takes_the_timed_runs_steps_apart(tmp_path):
 
     assert bench_e2e.STEP_TRACE_ENV == ENV
 
-    def line(mono, period, loads, host=0.001, tokens=100, adapters=5):
+    def line(mono, period, loads, host=0.001, tokens=100, adapters=5, frees=None):
         return json.dumps({"mono": mono, "period_s": period, "host_s": host,
                            "apply_s": host / 4 * (1 + loads), "cpu_s": host / 2,
                            "gap_s": period and period - host, "tokens": tokens,
                            "loads": loads, "evictions": 0, "adapters": adapters,
-                           "adapter_bytes": 1}) + "\n"
+                           "adapter_bytes": 1, "gc_s": host / 8 * loads,
+                           "gc_full": int(loads > 1), "device_allocs": frees,
+                           "device_frees": frees, "alloc_retries": frees}) + "\n"
 
     # Worker 11: a warm-up step, the run's first step (its period holds the
     # warm-up's end: left out), three more, and one after the run.
     (tmp_path / "pool-1000-steps-11.jsonl").write_text(
-        line(5.0, None, 3) + line(9.5, 4.5, 4) + line(9.55, 0.05, 1) + line(9.59, 0.04, 0)
-        + line(9.63, 0.04, 2) + line(30.0, 20.37, 0))
+        line(5.0, None, 3) + line(9.5, 4.5, 4) + line(9.55, 0.05, 1, frees=3)
+        + line(9.59, 0.04, 0) + line(9.63, 0.04, 2) + line(30.0, 20.37, 0))
     (tmp_path / "pool-1000-steps-12.jsonl").write_text(line(10.1, 0.02, 0, tokens=200))
     (tmp_path / "pool-100-steps-13.jsonl").write_text(line(10.2, 0.9, 0))  # another config
     out = bench_e2e.step_trace_summary(str(tmp_path / "pool-1000-steps"), 9.0, 20.0)
     assert out["steps"] == 4
     assert out["load_steps"] == {"n": 2, "period_ms": 45.0, "host_ms": 1.0, "apply_ms": 0.625,
-                                 "cpu_ms": 0.5, "gap_ms": 44.0, "tokens": 100.0,
-                                 "adapters": 5.0, "loads": 1.5}
+                                 "cpu_ms": 0.5, "gap_ms": 44.0, "gc_ms": 0.188,
+                                 "gc_full": 1, "device_frees": 3, "alloc_retries": 3,
+                                 "tokens": 100.0, "adapters": 5.0, "loads": 1.5}
     assert out["other_steps"]["apply_ms"] == 0.25
     assert out["other_steps"]["n"] == 2 and out["other_steps"]["period_ms"] == 30.0
     assert out["other_steps"]["tokens"] == 150.0
@@ -277,3 +280,12 @@ def test_nvml_handle_is_the_first_visible_gpu():
     assert bench_e2e.nvml_handle(Nvml, "") == ("index", 0)
     assert bench_e2e.nvml_handle(Nvml, "3,1") == ("index", 3)
     assert bench_e2e.nvml_handle(Nvml, "GPU-ab12, GPU-cd34") == ("uuid", "GPU-ab12")
+
+
+def test_idle_by_second_bins_the_samples_from_the_runs_start():
+    """Samples fall in the whole second since the run's start they were
+    taken in; a second without samples says so (None), not idle."""
+    start = 100.0
+    samples = [(100.0, 100), (100.5, 80), (101.2, 0), (103.9, 50), (103.99, 100)]
+    assert bench_e2e.idle_by_second(samples, start) == [0.1, 1.0, None, 0.25]
+    assert bench_e2e.idle_by_second([], start) == []

@@ -4,6 +4,7 @@ of the pool's running totals) and the time since the previous step."""
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
@@ -70,3 +71,41 @@ def test_each_step_is_a_line_with_its_own_counts(tmp_path, monkeypatch):
 def test_off_without_the_variable(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     assert StepTrace.from_env() is None
+
+
+def test_garbage_collections_and_device_allocations_are_the_steps_own(tmp_path, monkeypatch):
+    """A collection in a step's span (since the previous line) is on its
+    line alone; the allocator's counts are differences, None without CUDA."""
+    monkeypatch.setenv(ENV, str(tmp_path / "trace"))
+    trace = StepTrace.from_env()
+    manager = Manager(trace)
+    collect = [False, True, False]
+    gc.disable()  # no automatic collection: the counts are exact
+    try:
+        for want in collect:
+            def forward(want=want):
+                if want:
+                    gc.collect()
+
+            hooks._run_step(manager, SchedulerOutput(8), forward)
+    finally:
+        gc.enable()
+        gc.callbacks.remove(trace._on_gc)
+    lines = [json.loads(line) for line in open(trace.path)]
+    assert [r["gc_full"] for r in lines] == [0, 1, 0]
+    assert lines[1]["gc_s"] > 0 and lines[0]["gc_s"] == lines[2]["gc_s"] == 0
+    # This CPU test process never initialised CUDA.
+    assert all(r[k] is None for r in lines
+               for k in ("device_allocs", "device_frees", "alloc_retries"))
+
+    totals = iter([(5, 1, 0), (9, 4, 1)])
+    monkeypatch.setattr(StepTrace, "_allocator", staticmethod(lambda: next(totals)))
+    with_cuda = StepTrace(str(tmp_path / "cuda"))
+    try:
+        for _ in range(2):
+            with_cuda.record(0.0, 0.0, 0.0, 0.0, 1, (0, 0, 0, 0))
+    finally:
+        gc.callbacks.remove(with_cuda._on_gc)
+    lines = [json.loads(line) for line in open(with_cuda.path)]
+    assert [(r["device_allocs"], r["device_frees"], r["alloc_retries"]) for r in lines] == [
+        (5, 1, 0), (4, 3, 1)]

@@ -26,14 +26,30 @@ Fields of a line:
   step's output and the PoolReport);
 - `tokens`; `loads` and `evictions`: page loads and evictions of the step;
   `adapters` and `adapter_bytes`: distinct adapters of its tokens and their
-  weights' bytes (the memory roofline's share of the step).
+  weights' bytes (the memory roofline's share of the step);
+- `gc_s` and `gc_full`: seconds this process spent in Python's garbage
+  collector since the previous line's step ended, and the full (oldest
+  generation) collections among them. A collection holds the GIL: the
+  engine thread stops, whichever thread started it;
+- `device_allocs`, `device_frees`, `alloc_retries` (None before CUDA is
+  initialised, and on the CPU): torch's caching allocator's cudaMalloc and
+  cudaFree calls and its failed cudaMallocs in the same span. A cudaFree
+  waits for the whole device, so a step with frees may have waited for the
+  step in flight (the host then loses its lead on the GPU).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import time
 from typing import IO
+
+import torch
+
+# torch.cuda.memory_stats keys, in the order of the line's fields.
+ALLOCATOR_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
 
 ENV = "LORASERVE_STEP_TRACE"
 
@@ -49,6 +65,24 @@ class StepTrace:
         self._last_start: float | None = None
         self._last_end: float | None = None
         self._last_counts: tuple[int, ...] | None = None
+        self._gc_s, self._gc_full, self._gc_t0 = 0.0, 0, 0.0
+        self._last_gc = (0.0, 0)
+        self._last_allocator: tuple[int, ...] | None = None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self._gc_s += time.perf_counter() - self._gc_t0
+            self._gc_full += info["generation"] == 2
+
+    @staticmethod
+    def _allocator() -> tuple[int, ...] | None:
+        if not torch.cuda.is_initialized():
+            return None
+        stats = torch.cuda.memory_stats()
+        return tuple(stats.get(k, 0) for k in ALLOCATOR_KEYS)
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
@@ -67,9 +101,20 @@ class StepTrace:
         loads, evictions, adapters, nbytes = (c - p for c, p in zip(counts, last, strict=True))
         period = None if self._last_start is None else round(start - self._last_start, 6)
         gap = None if self._last_end is None else round(start - self._last_end, 6)
+        gc_now = (self._gc_s, self._gc_full)
+        allocator = self._allocator()
+        if allocator is None:
+            device: tuple[int | None, ...] = (None,) * len(ALLOCATOR_KEYS)
+        else:
+            last_allocator = self._last_allocator or (0,) * len(ALLOCATOR_KEYS)
+            device = tuple(c - p for c, p in zip(allocator, last_allocator, strict=True))
         self._file.write(json.dumps({
             "mono": round(start, 6), "period_s": period, "host_s": round(end - start, 6),
             "apply_s": round(applied - start, 6), "cpu_s": round(cpu_s, 6), "gap_s": gap,
             "tokens": tokens, "loads": loads, "evictions": evictions, "adapters": adapters,
-            "adapter_bytes": nbytes}) + "\n")
+            "adapter_bytes": nbytes, "gc_s": round(gc_now[0] - self._last_gc[0], 6),
+            "gc_full": gc_now[1] - self._last_gc[1],
+            **dict(zip(("device_allocs", "device_frees", "alloc_retries"), device,
+                       strict=True))}) + "\n")
         self._last_start, self._last_end, self._last_counts = start, end, counts
+        self._last_gc, self._last_allocator = gc_now, allocator
