@@ -244,13 +244,19 @@ def workload(n_adapters: int, vocab: int = 32000, seed: int = 0, num: int = 1000
 
 
 class Pacing:
-    """Who paces the timed run: the GPU's utilisation (NVML: the share of
-    each sample period in which some kernel ran, sampled every 20 ms), its
-    mean and its idle share in each second of the run (`gpu_idle_by_second`:
-    where in the run the GPU waited, to set beside the step trace's times),
-    and the CPU seconds of this process and of each engine process it
-    started, over the run's wall time. An engine process near 1.0 CPU while
-    the GPU is well below 1.0 is bound by its host."""
+    """Who paces the timed run, from `start` (its `time.monotonic()`): the
+    GPU's utilisation (NVML: the share of each sample period in which some
+    kernel ran, sampled every 20 ms), its mean and its idle share in each
+    second of the run (`gpu_idle_by_second`: where in the run the GPU
+    waited, to set beside the step trace's `mono` times less `start`; a
+    reading covers NVML's last sample period, 1/6 s to 1 s by GPU, up to its
+    time, so the bins lag and blur by up to that period), and the CPU
+    seconds of this process and of each engine process it started, over the
+    run's wall time. An engine process near 1.0 CPU while the GPU is well
+    below 1.0 is bound by its host."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
 
     def __enter__(self) -> Pacing:
         import threading
@@ -277,7 +283,7 @@ class Pacing:
         self._procs = [me, *me.children(recursive=True)]
         self._cpu0 = [sum(p.cpu_times()[:2]) for p in self._procs]
         self._thread = threading.Thread(target=sample, daemon=True)
-        self._t0, self._mono0 = time.perf_counter(), time.monotonic()
+        self._t0 = time.perf_counter()
         self._thread.start()
         return self
 
@@ -294,17 +300,19 @@ class Pacing:
         util = [u for _, u in self._samples]
         self.result = {"gpu_util_mean": round(sum(util) / len(util) / 100, 3) if util else None,
                        "gpu_util_samples": len(util),
-                       "gpu_idle_by_second": idle_by_second(self._samples, self._mono0),
+                       "gpu_idle_by_second": idle_by_second(self._samples, self.start),
                        "cpu_per_wall": cpu}
 
 
-def idle_by_second(samples: list[tuple[float, int]], start: float) -> list[float]:
-    """The GPU's idle share (1 - mean utilisation) in each whole second from
-    `start` (monotonic) of (time, utilisation %) samples; a second without
-    samples is None."""
+def idle_by_second(samples: list[tuple[float, int]], start: float) -> list[float | None]:
+    """The GPU's idle share (1 - mean utilisation) in each second from
+    `start` (monotonic) up to the last sample (the last bin a part of a
+    second), of (time, utilisation %) samples; samples before `start` are
+    left out, and a second without samples is None."""
+    samples = [(t, u) for t, u in samples if t >= start]
     if not samples:
         return []
-    bins: list[list[int]] = [[] for _ in range(int(samples[-1][0] - start) + 1)]
+    bins: list[list[int]] = [[] for _ in range(int(max(t for t, _ in samples) - start) + 1)]
     for t, u in samples:
         bins[int(t - start)].append(u)
     return [round(1 - sum(b) / len(b) / 100, 3) if b else None for b in bins]
@@ -379,7 +387,7 @@ def run_config(name: str, model: str, adapters_root: str, out: str, profile: int
     if plugin:  # drain the warm-up's load events
         before = llm.collective_rpc("loraserve_residency")[0]["pool"]
     t, mono0 = time.perf_counter(), time.monotonic()
-    with Pacing() as pacing:
+    with Pacing(mono0) as pacing:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                             lora_request=lora, use_tqdm=False)
     dt = time.perf_counter() - t

@@ -124,13 +124,14 @@ def test_step_trace_summary_takes_the_timed_runs_steps_apart(tmp_path):
     assert bench_e2e.STEP_TRACE_ENV == ENV
 
     def line(mono, period, loads, host=0.001, tokens=100, adapters=5, frees=None):
+        allocs, retries = (None, None) if frees is None else (frees + 4, frees - 2)
         return json.dumps({"mono": mono, "period_s": period, "host_s": host,
                            "apply_s": host / 4 * (1 + loads), "cpu_s": host / 2,
                            "gap_s": period and period - host, "tokens": tokens,
                            "loads": loads, "evictions": 0, "adapters": adapters,
                            "adapter_bytes": 1, "gc_s": host / 8 * loads,
-                           "gc_full": int(loads > 1), "device_allocs": frees,
-                           "device_frees": frees, "alloc_retries": frees}) + "\n"
+                           "gc_full": int(loads > 1), "device_allocs": allocs,
+                           "device_frees": frees, "alloc_retries": retries}) + "\n"
 
     # Worker 11: a warm-up step, the run's first step (its period holds the
     # warm-up's end: left out), three more, and one after the run.
@@ -143,7 +144,7 @@ def test_step_trace_summary_takes_the_timed_runs_steps_apart(tmp_path):
     assert out["steps"] == 4
     assert out["load_steps"] == {"n": 2, "period_ms": 45.0, "host_ms": 1.0, "apply_ms": 0.625,
                                  "cpu_ms": 0.5, "gap_ms": 44.0, "gc_ms": 0.188,
-                                 "gc_full": 1, "device_frees": 3, "alloc_retries": 3,
+                                 "gc_full": 1, "device_frees": 3, "alloc_retries": 1,
                                  "tokens": 100.0, "adapters": 5.0, "loads": 1.5}
     assert out["other_steps"]["apply_ms"] == 0.25
     assert out["other_steps"]["n"] == 2 and out["other_steps"]["period_ms"] == 30.0
@@ -283,9 +284,11 @@ def test_nvml_handle_is_the_first_visible_gpu():
 
 
 def test_idle_by_second_bins_the_samples_from_the_runs_start():
-    """Samples fall in the whole second since the run's start they were
-    taken in; a second without samples says so (None), not idle."""
+    """Samples fall in the second since the run's start they were taken in
+    (those before it left out); a second without samples says so (None),
+    not idle."""
     start = 100.0
-    samples = [(100.0, 100), (100.5, 80), (101.2, 0), (103.9, 50), (103.99, 100)]
+    samples = [(99.5, 0), (100.0, 100), (100.5, 80), (101.2, 0), (103.9, 50), (103.99, 100)]
     assert bench_e2e.idle_by_second(samples, start) == [0.1, 1.0, None, 0.25]
+    assert bench_e2e.idle_by_second([(98.0, 0)], start) == []
     assert bench_e2e.idle_by_second([], start) == []

@@ -8,6 +8,8 @@ import gc
 import json
 import time
 
+import torch
+
 from vllm_loraserve.paging.step import STEP_ATTR
 from vllm_loraserve.worker import hooks
 from vllm_loraserve.worker.step_trace import ENV, StepTrace
@@ -49,8 +51,11 @@ def test_each_step_is_a_line_with_its_own_counts(tmp_path, monkeypatch):
                           manager.totals[3] + 100]
         return None
 
-    for tokens in (64, 0, 1):  # an idle step (no tokens) applies loads too: a line
-        hooks._run_step(manager, SchedulerOutput(tokens), forward)
+    try:
+        for tokens in (64, 0, 1):  # an idle step (no tokens) applies loads too: a line
+            hooks._run_step(manager, SchedulerOutput(tokens), forward)
+    finally:
+        trace.close()
     lines = [json.loads(line) for line in open(trace.path)]
     assert [r["tokens"] for r in lines] == [64, 0, 1]
     assert lines[0]["period_s"] is None and all(r["period_s"] > 0 for r in lines[1:])
@@ -77,12 +82,12 @@ def test_garbage_collections_and_device_allocations_are_the_steps_own(tmp_path, 
     """A collection in a step's span (since the previous line) is on its
     line alone; the allocator's counts are differences, None without CUDA."""
     monkeypatch.setenv(ENV, str(tmp_path / "trace"))
-    trace = StepTrace.from_env()
-    manager = Manager(trace)
-    collect = [False, True, False]
+    gc.collect()
     gc.disable()  # no automatic collection: the counts are exact
+    trace = StepTrace.from_env()
     try:
-        for want in collect:
+        manager = Manager(trace)
+        for want in (False, True, False):
             def forward(want=want):
                 if want:
                     gc.collect()
@@ -90,7 +95,7 @@ def test_garbage_collections_and_device_allocations_are_the_steps_own(tmp_path, 
             hooks._run_step(manager, SchedulerOutput(8), forward)
     finally:
         gc.enable()
-        gc.callbacks.remove(trace._on_gc)
+        trace.close()
     lines = [json.loads(line) for line in open(trace.path)]
     assert [r["gc_full"] for r in lines] == [0, 1, 0]
     assert lines[1]["gc_s"] > 0 and lines[0]["gc_s"] == lines[2]["gc_s"] == 0
@@ -98,14 +103,27 @@ def test_garbage_collections_and_device_allocations_are_the_steps_own(tmp_path, 
     assert all(r[k] is None for r in lines
                for k in ("device_allocs", "device_frees", "alloc_retries"))
 
-    totals = iter([(5, 1, 0), (9, 4, 1)])
+    totals = iter([(5, 1, 0), (9, 4, 2)])
     monkeypatch.setattr(StepTrace, "_allocator", staticmethod(lambda: next(totals)))
     with_cuda = StepTrace(str(tmp_path / "cuda"))
     try:
         for _ in range(2):
             with_cuda.record(0.0, 0.0, 0.0, 0.0, 1, (0, 0, 0, 0))
     finally:
-        gc.callbacks.remove(with_cuda._on_gc)
+        with_cuda.close()
     lines = [json.loads(line) for line in open(with_cuda.path)]
     assert [(r["device_allocs"], r["device_frees"], r["alloc_retries"]) for r in lines] == [
-        (5, 1, 0), (4, 3, 1)]
+        (5, 1, 0), (4, 3, 2)]
+
+
+def test_allocator_counters_are_read_by_name(monkeypatch):
+    """The fields come from the allocator's named counters; a torch without
+    one leaves them empty rather than reading a wrong one."""
+    stats = {"num_device_alloc": 7, "num_device_free": 3, "num_alloc_retries": 1,
+             "num_ooms": 9, "allocation": {}}
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda: stats)
+    assert StepTrace._allocator() == (7, 3, 1)
+    del stats["num_device_free"]
+    assert StepTrace._allocator() is None
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda: {})
+    assert StepTrace._allocator() is None

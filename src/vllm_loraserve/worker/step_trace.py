@@ -3,8 +3,9 @@
 With `LORASERVE_STEP_TRACE=PREFIX` in a worker's environment, the worker
 appends one JSON line per step (idle ones too: they apply page loads) to
 `PREFIX-<pid>.jsonl` (benchmarks/e2e/bench_e2e.py --step-trace reads it).
-Host clocks only: it never waits for the device, so it changes no step's
-timing but for the write of one line.
+Host clocks and counters only: it never waits for the device, so it
+changes no step's timing but for the write of one line and a read of the
+caching allocator's counters (under its lock, held during a free).
 
 Fields of a line:
 - `mono`: `time.monotonic()` at the step's start (execute_model), one clock
@@ -27,31 +28,42 @@ Fields of a line:
 - `tokens`; `loads` and `evictions`: page loads and evictions of the step;
   `adapters` and `adapter_bytes`: distinct adapters of its tokens and their
   weights' bytes (the memory roofline's share of the step);
-- `gc_s` and `gc_full`: seconds this process spent in Python's garbage
-  collector since the previous line's step ended, and the full (oldest
-  generation) collections among them. A collection holds the GIL: the
-  engine thread stops, whichever thread started it;
+- `gc_s` and `gc_full`: wall seconds of Python's garbage collections in
+  this process since the previous line's step ended, and the full (oldest
+  generation) ones among them. A collection holds the GIL but for the
+  finalizers it runs, so `gc_s` bounds how long it stopped the engine
+  thread, whichever thread started it;
 - `device_allocs`, `device_frees`, `alloc_retries` (None before CUDA is
-  initialised, and on the CPU): torch's caching allocator's cudaMalloc and
-  cudaFree calls and its failed cudaMallocs in the same span. A cudaFree
-  waits for the whole device, so a step with frees may have waited for the
-  step in flight (the host then loses its lead on the GPU).
+  initialised, and on the CPU): torch's caching allocator's device
+  allocations and frees (cudaMalloc and cudaFree; with expandable segments,
+  cuMemMap and cuMemUnmap too) and its failed cudaMallocs in the same span.
+  A cudaFree waits for the whole device, so a step with frees may have
+  waited for the step in flight (the host then loses its lead on the GPU).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
+import logging
 import os
 import time
 from typing import IO
 
 import torch
 
-# torch.cuda.memory_stats keys, in the order of the line's fields.
-ALLOCATOR_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and format
 
 ENV = "LORASERVE_STEP_TRACE"
+# A line's allocator fields: torch.cuda.memory_stats' top-level counters.
+ALLOCATOR_FIELDS = {"device_allocs": "num_device_alloc", "device_frees": "num_device_free",
+                    "alloc_retries": "num_alloc_retries"}
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
 
 
 class StepTrace:
@@ -65,24 +77,38 @@ class StepTrace:
         self._last_start: float | None = None
         self._last_end: float | None = None
         self._last_counts: tuple[int, ...] | None = None
-        self._gc_s, self._gc_full, self._gc_t0 = 0.0, 0, 0.0
+        self._gc_s, self._gc_full = 0.0, 0
+        self._gc_t0: float | None = None
         self._last_gc = (0.0, 0)
         self._last_allocator: tuple[int, ...] | None = None
         gc.callbacks.append(self._on_gc)
 
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+        self._file.close()
+
     def _on_gc(self, phase: str, info: dict) -> None:
+        # A collection under way when this was appended reaches it at "stop" only.
         if phase == "start":
             self._gc_t0 = time.perf_counter()
-        else:
+        elif self._gc_t0 is not None:
             self._gc_s += time.perf_counter() - self._gc_t0
             self._gc_full += info["generation"] == 2
+            self._gc_t0 = None
 
     @staticmethod
     def _allocator() -> tuple[int, ...] | None:
-        if not torch.cuda.is_initialized():
+        """The allocator's counters, None before CUDA is initialised (the
+        nested dict: memory_stats would flatten ~150 entries in Python)."""
+        stats = torch.cuda.memory_stats_as_nested_dict()
+        if not stats:
             return None
-        stats = torch.cuda.memory_stats()
-        return tuple(stats.get(k, 0) for k in ALLOCATOR_KEYS)
+        missing = [k for k in ALLOCATOR_FIELDS.values() if k not in stats]
+        if missing:
+            _warn_once(f"vllm-loraserve step trace: this torch's allocator has no {missing}; "
+                       "the allocator fields are left empty")
+            return None
+        return tuple(stats[k] for k in ALLOCATOR_FIELDS.values())
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
@@ -96,7 +122,8 @@ class StepTrace:
         that ran `tokens`; `counts`: the pool's running totals of (page loads,
         evictions, step adapters, step adapter bytes) after it. The first step
         after start-up has no period and no gap; its counts are totals since
-        then."""
+        then, its collections since this trace's start, its allocator counts
+        the process's."""
         last = self._last_counts or (0, 0, 0, 0)
         loads, evictions, adapters, nbytes = (c - p for c, p in zip(counts, last, strict=True))
         period = None if self._last_start is None else round(start - self._last_start, 6)
@@ -104,9 +131,9 @@ class StepTrace:
         gc_now = (self._gc_s, self._gc_full)
         allocator = self._allocator()
         if allocator is None:
-            device: tuple[int | None, ...] = (None,) * len(ALLOCATOR_KEYS)
+            device: tuple[int | None, ...] = (None,) * len(ALLOCATOR_FIELDS)
         else:
-            last_allocator = self._last_allocator or (0,) * len(ALLOCATOR_KEYS)
+            last_allocator = self._last_allocator or (0,) * len(ALLOCATOR_FIELDS)
             device = tuple(c - p for c, p in zip(allocator, last_allocator, strict=True))
         self._file.write(json.dumps({
             "mono": round(start, 6), "period_s": period, "host_s": round(end - start, 6),
@@ -114,7 +141,6 @@ class StepTrace:
             "tokens": tokens, "loads": loads, "evictions": evictions, "adapters": adapters,
             "adapter_bytes": nbytes, "gc_s": round(gc_now[0] - self._last_gc[0], 6),
             "gc_full": gc_now[1] - self._last_gc[1],
-            **dict(zip(("device_allocs", "device_frees", "alloc_retries"), device,
-                       strict=True))}) + "\n")
+            **dict(zip(ALLOCATOR_FIELDS, device, strict=True))}) + "\n")
         self._last_start, self._last_end, self._last_counts = start, end, counts
         self._last_gc, self._last_allocator = gc_now, allocator
