@@ -390,11 +390,11 @@ def run_config(name: str, model: str, adapters_root: str, out: str, profile: int
     with Pacing(mono0) as pacing:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                             lora_request=lora, use_tqdm=False)
-    dt = time.perf_counter() - t
+    dt, mono1 = time.perf_counter() - t, time.monotonic()
     res["pacing"] = pacing.result
+    res["timed_mono"] = [round(mono0, 6), round(mono1, 6)]  # the step trace's clock
     if plugin and os.environ.get(STEP_TRACE_ENV):
-        res["step_trace"] = step_trace_summary(os.environ[STEP_TRACE_ENV], mono0,
-                                               time.monotonic())
+        res["step_trace"] = step_trace_summary(os.environ[STEP_TRACE_ENV], mono0, mono1)
     m1 = _metrics(llm)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)

@@ -13,6 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks", "e2e"))
 import bench_e2e  # noqa: E402
+import step_timeline  # noqa: E402
 import summary  # noqa: E402
 
 sys.path.pop(0)
@@ -292,3 +293,39 @@ def test_idle_by_second_bins_the_samples_from_the_runs_start():
     assert bench_e2e.idle_by_second(samples, start) == [0.1, 1.0, None, 0.25]
     assert bench_e2e.idle_by_second([(98.0, 0)], start) == []
     assert bench_e2e.idle_by_second([], start) == []
+
+
+def test_step_timeline_puts_each_step_in_the_second_it_started(tmp_path):
+    """Steps of the timed run go to the second since its start in which they
+    started (warm-up and later steps left out), beside both configs' idle
+    shares; the idle seconds are the shares summed."""
+    import json
+
+    configs = {"pool-1000": {"timed_mono": [50.0, 53.5],
+                             "pacing": {"gpu_idle_by_second": [0.5, None, 0.1, 0.0]}},
+               "none-kv1": {"pacing": {"gpu_idle_by_second": [0.2, 0.0, 0.0, 0.0]}}}
+    (tmp_path / "results.json").write_text(json.dumps({"configs": configs}))
+
+    def line(mono, loads, gc_s=0.0, frees=None):
+        return json.dumps({"mono": mono, "tokens": 100, "loads": loads, "host_s": 0.01,
+                           "apply_s": 0.002 * loads, "cpu_s": 0.008, "gc_s": gc_s,
+                           "gc_full": int(gc_s > 0), "device_frees": frees}) + "\n"
+
+    (tmp_path / "pool-1000-steps-7.jsonl").write_text(
+        line(49.0, 9) + line(50.0, 2) + line(50.9, 1, gc_s=0.3, frees=2) + line(52.2, 0)
+        + line(54.0, 5))
+    (tmp_path / "pool-100-steps-8.jsonl").write_text(line(50.5, 3))  # another config
+    out = step_timeline.timeline(step_timeline.load_configs(str(tmp_path)),
+                                 step_timeline.trace_lines(str(tmp_path), "pool-1000"),
+                                 "pool-1000", "none-kv1")
+    rows = out["seconds"]
+    assert [r["second"] for r in rows] == [0, 1, 2, 3]
+    assert [r["steps"] for r in rows] == [2, 0, 1, 0]
+    assert [r["loads"] for r in rows] == [3, 0, 0, 0]
+    assert rows[0]["gc_s"] == 0.3 and rows[0]["gc_full"] == 1 and rows[0]["device_frees"] == 2
+    assert rows[0]["apply_s"] == 0.006 and rows[2]["tokens"] == 100
+    assert [r["idle"] for r in rows] == [0.5, None, 0.1, 0.0]
+    assert [r["baseline_idle"] for r in rows] == [0.2, 0.0, 0.0, 0.0]
+    assert out["idle_s"] == 0.6 and out["baseline_idle_s"] == 0.2
+    with pytest.raises(SystemExit, match="timed_mono"):
+        step_timeline.timeline({"x": {"pacing": {}}}, [], "x", None)
