@@ -452,6 +452,14 @@ GAP_CLASSES_US = {"<=5us": 5, "<=50us": 50, "<=1ms": 1000, ">1ms": float("inf")}
 STEP_TRACE_ENV = "LORASERVE_STEP_TRACE"  # worker/step_trace.py
 
 
+def read_step_trace(prefix: str) -> list[dict]:
+    """Every line of the step trace files of `prefix` (one per worker)."""
+    import glob
+
+    return [json.loads(line) for path in sorted(glob.glob(f"{prefix}-*.jsonl"))
+            for line in open(path)]
+
+
 def step_trace_summary(prefix: str, start: float, end: float) -> dict:
     """The timed run's steps in the workers' step traces (--step-trace):
     their periods and host times (the page decisions and loads apart, and
@@ -459,12 +467,9 @@ def step_trace_summary(prefix: str, start: float, end: float) -> dict:
     steps and the garbage collector's (means a step), and the full
     collections, cudaFrees and failed cudaMallocs (totals), apart for steps
     with page loads and without (what a load step costs beyond the others)."""
-    import glob
-
     # A step's period runs from the previous step's start: the first step of
     # the run (whose period holds the warm-up's end) is left out.
-    steps = [r for path in sorted(glob.glob(f"{prefix}-*.jsonl"))
-             for r in map(json.loads, open(path))
+    steps = [r for r in read_step_trace(prefix)
              if r["period_s"] is not None and start <= r["mono"] - r["period_s"]
              and r["mono"] <= end]
     out: dict = {"steps": len(steps)}

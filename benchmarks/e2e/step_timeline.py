@@ -19,9 +19,10 @@ table, saved as JSON with the idle seconds of each config in all.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
+
+from bench_e2e import read_step_trace
 
 SUMS = ("tokens", "loads", "host_s", "apply_s", "cpu_s", "gc_s", "gc_full", "device_frees")
 
@@ -33,11 +34,6 @@ def load_configs(directory: str) -> dict:
             with open(path) as f:
                 return json.load(f)["configs"]
     raise SystemExit(f"no results.json or offline.json in {directory}")
-
-
-def trace_lines(directory: str, config: str) -> list[dict]:
-    return [json.loads(line) for path in sorted(glob.glob(
-        os.path.join(directory, f"{config}-steps-*.jsonl"))) for line in open(path)]
 
 
 def timeline(configs: dict, lines: list[dict], config: str, baseline: str | None) -> dict:
@@ -80,7 +76,8 @@ def main() -> None:
     ap.add_argument("--baseline", help="a config of the same call (e.g. none-kv11770)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    out = timeline(load_configs(a.dir), trace_lines(a.dir, a.config), a.config, a.baseline)
+    out = timeline(load_configs(a.dir), read_step_trace(os.path.join(a.dir, f"{a.config}-steps")),
+                   a.config, a.baseline)
     cols = ("second", "baseline_idle", "idle", "steps", *SUMS)
     print(" ".join(f"{c:>13}" for c in cols))
     for row in out["seconds"]:

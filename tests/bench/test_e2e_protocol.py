@@ -316,7 +316,7 @@ def test_step_timeline_puts_each_step_in_the_second_it_started(tmp_path):
         + line(54.0, 5))
     (tmp_path / "pool-100-steps-8.jsonl").write_text(line(50.5, 3))  # another config
     out = step_timeline.timeline(step_timeline.load_configs(str(tmp_path)),
-                                 step_timeline.trace_lines(str(tmp_path), "pool-1000"),
+                                 bench_e2e.read_step_trace(str(tmp_path / "pool-1000-steps")),
                                  "pool-1000", "none-kv1")
     rows = out["seconds"]
     assert [r["second"] for r in rows] == [0, 1, 2, 3]

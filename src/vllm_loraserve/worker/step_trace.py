@@ -66,6 +66,11 @@ def _warn_once(message: str) -> None:
     logger.warning(message)
 
 
+def _since(now: tuple, last: tuple | None) -> tuple:
+    """Running totals' differences from `last` (None: from zero)."""
+    return tuple(c - p for c, p in zip(now, last or (0,) * len(now), strict=True))
+
+
 class StepTrace:
     """Invariant: one line per `record`, written whole (line-buffered, the
     file open for the process's life), so a worker that dies loses no
@@ -79,7 +84,7 @@ class StepTrace:
         self._last_counts: tuple[int, ...] | None = None
         self._gc_s, self._gc_full = 0.0, 0
         self._gc_t0: float | None = None
-        self._last_gc = (0.0, 0)
+        self._last_gc: tuple[float, int] | None = None
         self._last_allocator: tuple[int, ...] | None = None
         gc.callbacks.append(self._on_gc)
 
@@ -124,23 +129,19 @@ class StepTrace:
         after start-up has no period and no gap; its counts are totals since
         then, its collections since this trace's start, its allocator counts
         the process's."""
-        last = self._last_counts or (0, 0, 0, 0)
-        loads, evictions, adapters, nbytes = (c - p for c, p in zip(counts, last, strict=True))
+        loads, evictions, adapters, nbytes = _since(counts, self._last_counts)
         period = None if self._last_start is None else round(start - self._last_start, 6)
         gap = None if self._last_end is None else round(start - self._last_end, 6)
         gc_now = (self._gc_s, self._gc_full)
+        gc_s, gc_full = _since(gc_now, self._last_gc)
         allocator = self._allocator()
-        if allocator is None:
-            device: tuple[int | None, ...] = (None,) * len(ALLOCATOR_FIELDS)
-        else:
-            last_allocator = self._last_allocator or (0,) * len(ALLOCATOR_FIELDS)
-            device = tuple(c - p for c, p in zip(allocator, last_allocator, strict=True))
+        device = (None,) * len(ALLOCATOR_FIELDS) if allocator is None else \
+            _since(allocator, self._last_allocator)
         self._file.write(json.dumps({
             "mono": round(start, 6), "period_s": period, "host_s": round(end - start, 6),
             "apply_s": round(applied - start, 6), "cpu_s": round(cpu_s, 6), "gap_s": gap,
             "tokens": tokens, "loads": loads, "evictions": evictions, "adapters": adapters,
-            "adapter_bytes": nbytes, "gc_s": round(gc_now[0] - self._last_gc[0], 6),
-            "gc_full": gc_now[1] - self._last_gc[1],
+            "adapter_bytes": nbytes, "gc_s": round(gc_s, 6), "gc_full": gc_full,
             **dict(zip(ALLOCATOR_FIELDS, device, strict=True))}) + "\n")
         self._last_start, self._last_end, self._last_counts = start, end, counts
         self._last_gc, self._last_allocator = gc_now, allocator
