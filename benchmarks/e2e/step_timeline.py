@@ -11,8 +11,9 @@ config's step trace files, `<config>-steps-*.jsonl` (in a device call's
 offline-files.tgz). For each second of the timed run: the baseline's and
 the config's GPU idle share (NVML's readings lag by up to their sample
 period: bench_e2e.Pacing), and the config's steps that started in that
-second: their count, tokens, page loads, and sums of host, apply, CPU and
-garbage-collection seconds, full collections and cudaFrees. Printed as a
+second: their count, tokens, page loads, and sums of host, apply, CPU,
+gap, gap CPU, process CPU and garbage-collection seconds, full collections
+and cudaFrees, and the other threads' CPU seconds by name. Printed as a
 table, saved as JSON with the idle seconds of each config in all.
 """
 
@@ -24,7 +25,8 @@ import os
 
 from bench_e2e import read_step_trace
 
-SUMS = ("tokens", "loads", "host_s", "apply_s", "cpu_s", "gc_s", "gc_full", "device_frees")
+SUMS = ("tokens", "loads", "host_s", "apply_s", "cpu_s", "gap_s", "gap_cpu_s", "proc_cpu_s",
+        "gc_s", "gc_full", "device_frees")
 
 
 def load_configs(directory: str) -> dict:
@@ -51,16 +53,19 @@ def timeline(configs: dict, lines: list[dict], config: str, baseline: str | None
     seconds = max(len(idle), len(base), int(end - start) + 1)
     rows = [{"second": s, "idle": idle[s] if s < len(idle) else None,
              "baseline_idle": base[s] if s < len(base) else None, "steps": 0,
-             **dict.fromkeys(SUMS, 0)} for s in range(seconds)]
+             **dict.fromkeys(SUMS, 0), "threads_cpu_s": {}} for s in range(seconds)]
     for r in steps:
         row = rows[int(r["mono"] - start)]
         row["steps"] += 1
         for k in SUMS:
             row[k] += r.get(k) or 0
+        for name, seconds in (r.get("threads_cpu_s") or {}).items():
+            row["threads_cpu_s"][name] = row["threads_cpu_s"].get(name, 0) + seconds
     for row in rows:
         for k in SUMS:
             if isinstance(row[k], float):
                 row[k] = round(row[k], 4)
+        row["threads_cpu_s"] = {k: round(v, 4) for k, v in row["threads_cpu_s"].items()}
 
     def total(shares: list) -> float:
         return round(sum(x for x in shares if x is not None), 3)
@@ -79,9 +84,11 @@ def main() -> None:
     out = timeline(load_configs(a.dir), read_step_trace(os.path.join(a.dir, f"{a.config}-steps")),
                    a.config, a.baseline)
     cols = ("second", "baseline_idle", "idle", "steps", *SUMS)
-    print(" ".join(f"{c:>13}" for c in cols))
+    print(" ".join(f"{c:>12}" for c in cols), "  other threads' CPU s")
     for row in out["seconds"]:
-        print(" ".join(f"{'-' if row[c] is None else row[c]:>13}" for c in cols))
+        print(" ".join(f"{'-' if row[c] is None else row[c]:>12}" for c in cols), " ",
+              ", ".join(f"{k} {v}" for k, v in sorted(row["threads_cpu_s"].items(),
+                                                      key=lambda kv: -kv[1])[:3]))
     print(f"idle seconds: {a.config} {out['idle_s']}, {a.baseline} {out['baseline_idle_s']}")
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -306,13 +306,15 @@ def test_step_timeline_puts_each_step_in_the_second_it_started(tmp_path):
                "none-kv1": {"pacing": {"gpu_idle_by_second": [0.2, 0.0, 0.0, 0.0]}}}
     (tmp_path / "results.json").write_text(json.dumps({"configs": configs}))
 
-    def line(mono, loads, gc_s=0.0, frees=None):
+    def line(mono, loads, gc_s=0.0, frees=None, threads=None):
         return json.dumps({"mono": mono, "tokens": 100, "loads": loads, "host_s": 0.01,
                            "apply_s": 0.002 * loads, "cpu_s": 0.008, "gc_s": gc_s,
-                           "gc_full": int(gc_s > 0), "device_frees": frees}) + "\n"
+                           "gc_full": int(gc_s > 0), "device_frees": frees,
+                           "threads_cpu_s": threads or {}}) + "\n"
 
     (tmp_path / "pool-1000-steps-7.jsonl").write_text(
-        line(49.0, 9) + line(50.0, 2) + line(50.9, 1, gc_s=0.3, frees=2) + line(52.2, 0)
+        line(49.0, 9) + line(50.0, 2, threads={"read": 0.1})
+        + line(50.9, 1, gc_s=0.3, frees=2, threads={"read": 0.2, "pack": 0.05}) + line(52.2, 0)
         + line(54.0, 5))
     (tmp_path / "pool-100-steps-8.jsonl").write_text(line(50.5, 3))  # another config
     out = step_timeline.timeline(step_timeline.load_configs(str(tmp_path)),
@@ -324,6 +326,8 @@ def test_step_timeline_puts_each_step_in_the_second_it_started(tmp_path):
     assert [r["loads"] for r in rows] == [3, 0, 0, 0]
     assert rows[0]["gc_s"] == 0.3 and rows[0]["gc_full"] == 1 and rows[0]["device_frees"] == 2
     assert rows[0]["apply_s"] == 0.006 and rows[2]["tokens"] == 100
+    assert rows[0]["threads_cpu_s"] == {"read": 0.3, "pack": 0.05}
+    assert rows[2]["threads_cpu_s"] == {}
     assert [r["idle"] for r in rows] == [0.5, None, 0.1, 0.0]
     assert [r["baseline_idle"] for r in rows] == [0.2, 0.0, 0.0, 0.0]
     assert out["idle_s"] == 0.6 and out["baseline_idle_s"] == 0.2

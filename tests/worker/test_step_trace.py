@@ -71,6 +71,45 @@ def test_each_step_is_a_line_with_its_own_counts(tmp_path, monkeypatch):
     assert lines[0]["gap_s"] is None
     for prev, r in zip(lines, lines[1:], strict=False):
         assert abs(r["gap_s"] - (r["period_s"] - prev["host_s"])) < 2e-6
+    assert lines[0]["gap_cpu_s"] is None
+
+
+def _spin(seconds: float) -> None:
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < seconds:
+        pass
+
+
+def test_cpu_outside_the_step_and_of_other_threads(tmp_path, monkeypatch):
+    """`gap_cpu_s` is the engine thread's CPU between two steps;
+    `threads_cpu_s` the other threads' CPU, by name less its number, and
+    `proc_cpu_s` the whole process's since the previous line."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setenv(ENV, str(tmp_path / "trace"))
+    trace = StepTrace.from_env()
+    manager = Manager(trace)
+    with ThreadPoolExecutor(2, thread_name_prefix="loraserve-read") as pool:
+        try:
+            hooks._run_step(manager, SchedulerOutput(8), lambda: None)
+            _spin(0.06)  # the engine thread's work between steps
+            hooks._run_step(manager, SchedulerOutput(8), lambda: None)
+            # Two readers burn CPU (each waits for the other: both run at once)
+            # while the engine thread sleeps between steps.
+            barrier = threading.Barrier(2)
+            list(pool.map(lambda _: (barrier.wait(), _spin(0.05)), range(2)))
+            hooks._run_step(manager, SchedulerOutput(8), lambda: None)
+        finally:
+            trace.close()
+    lines = [json.loads(line) for line in open(trace.path)]
+    assert 0.06 <= lines[1]["gap_cpu_s"] <= lines[1]["gap_s"]
+    assert lines[2]["gap_cpu_s"] < 0.03  # it waited for the readers, without CPU
+    readers = lines[2]["threads_cpu_s"]
+    assert set(readers) >= {"loraserve-read"} and readers["loraserve-read"] >= 0.1
+    assert "loraserve-read" not in lines[1]["threads_cpu_s"]
+    assert lines[2]["proc_cpu_s"] >= readers["loraserve-read"]
+    assert lines[1]["proc_cpu_s"] >= 0.06
 
 
 def test_off_without_the_variable(monkeypatch):
@@ -108,7 +147,7 @@ def test_garbage_collections_and_device_allocations_are_the_steps_own(tmp_path, 
     with_cuda = StepTrace(str(tmp_path / "cuda"))
     try:
         for _ in range(2):
-            with_cuda.record(0.0, 0.0, 0.0, 0.0, 1, (0, 0, 0, 0))
+            with_cuda.record(0.0, 0.0, 0.0, (0.0, 0.0), 1, (0, 0, 0, 0))
     finally:
         with_cuda.close()
     lines = [json.loads(line) for line in open(with_cuda.path)]

@@ -151,7 +151,7 @@ def _run_step(manager, scheduler_output, forward):
     finally:
         manager.end_forward()  # before the report: a load may fail in the forward pass
     if manager.step_trace is not None:
-        manager.step_trace.record(start, applied, time.monotonic(), time.thread_time() - cpu0,
+        manager.step_trace.record(start, applied, time.monotonic(), (cpu0, time.thread_time()),
                                   tokens, manager.trace_counts())
     return _with_report(manager, out)
 

@@ -20,6 +20,15 @@ Fields of a line:
   `host_s` it waited without running: for the GIL (which the host tier's
   reader threads share), a lock or I/O. A wait for the device spins (CUDA's
   default) and counts as CPU time;
+- `gap_cpu_s`: the worker thread's CPU time within `gap_s` (vLLM's
+  scheduling and output processing, and spinning on the device); the rest
+  of `gap_s` it waited without running;
+- `proc_cpu_s`: the whole process's CPU time since the previous line (every
+  thread, the GIL's holder among them); `threads_cpu_s`: the part of it of
+  the process's other Python threads, by name less its trailing number
+  (a ThreadPoolExecutor's `prefix_N`), those above 1 ms only; a thread
+  started since the previous line counts from its start. Which threads ran
+  while the worker thread waited, that is: not proof of who held the GIL;
 - `gap_s`: since the previous traced step's end: the worker thread's time
   outside the runner's `execute_model` (in one process with the engine,
   as offline with one GPU: vLLM's scheduling, its output processing and,
@@ -48,6 +57,8 @@ import gc
 import json
 import logging
 import os
+import re
+import threading
 import time
 from typing import IO
 
@@ -64,6 +75,29 @@ ALLOCATOR_FIELDS = {"device_allocs": "num_device_alloc", "device_frees": "num_de
 @functools.cache
 def _warn_once(message: str) -> None:
     logger.warning(message)
+
+
+def _threads_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds of each live Python thread but this one: ident -> (name
+    less its trailing number, seconds)."""
+    out, me = {}, threading.get_ident()
+    for t in threading.enumerate():
+        if t.ident is None or t.ident == me:
+            continue
+        try:
+            seconds = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        except (OSError, ProcessLookupError):
+            continue  # it ended since enumerate()
+        out[t.ident] = re.sub(r"[_-]?\d+$", "", t.name), seconds
+    return out
+
+
+def _threads_since(now: dict[int, tuple[str, float]], last: dict[int, tuple[str, float]]
+                   ) -> dict[str, float]:
+    by_name: dict[str, float] = {}
+    for ident, (name, seconds) in now.items():
+        by_name[name] = by_name.get(name, 0.0) + seconds - last.get(ident, (name, 0.0))[1]
+    return {name: round(s, 6) for name, s in sorted(by_name.items()) if s > 1e-3}
 
 
 def _since(now: tuple, last: tuple | None) -> tuple:
@@ -86,6 +120,9 @@ class StepTrace:
         self._gc_t0: float | None = None
         self._last_gc: tuple[float, int] | None = None
         self._last_allocator: tuple[int, ...] | None = None
+        self._last_cpu_end: float | None = None
+        self._last_proc = time.process_time()
+        self._last_threads = _threads_cpu()
         gc.callbacks.append(self._on_gc)
 
     def close(self) -> None:
@@ -120,28 +157,35 @@ class StepTrace:
         prefix = os.environ.get(ENV)
         return cls(prefix) if prefix else None
 
-    def record(self, start: float, applied: float, end: float, cpu_s: float, tokens: int,
-               counts: tuple[int, int, int, int]) -> None:
+    def record(self, start: float, applied: float, end: float, cpu: tuple[float, float],
+               tokens: int, counts: tuple[int, int, int, int]) -> None:
         """A step from `start` to `end` (monotonic seconds), its page
-        decisions done at `applied`, `cpu_s` of the thread's CPU time in it,
-        that ran `tokens`; `counts`: the pool's running totals of (page loads,
-        evictions, step adapters, step adapter bytes) after it. The first step
-        after start-up has no period and no gap; its counts are totals since
-        then, its collections since this trace's start, its allocator counts
+        decisions done at `applied`, `cpu`: the thread's CPU clock
+        (time.thread_time) at its start and end, that ran `tokens`; `counts`:
+        the pool's running totals of (page loads, evictions, step adapters,
+        step adapter bytes) after it. The first step after start-up has no
+        period and no gap; its counts are totals since then, its collections
+        and the process's CPU since this trace's start, its allocator counts
         the process's."""
         loads, evictions, adapters, nbytes = _since(counts, self._last_counts)
         period = None if self._last_start is None else round(start - self._last_start, 6)
         gap = None if self._last_end is None else round(start - self._last_end, 6)
         gc_now = (self._gc_s, self._gc_full)
         gc_s, gc_full = _since(gc_now, self._last_gc)
+        cpu_start, cpu_end = cpu
+        gap_cpu = None if self._last_cpu_end is None else round(cpu_start - self._last_cpu_end, 6)
+        proc, threads = time.process_time(), _threads_cpu()
         allocator = self._allocator()
         device = (None,) * len(ALLOCATOR_FIELDS) if allocator is None else \
             _since(allocator, self._last_allocator)
         self._file.write(json.dumps({
             "mono": round(start, 6), "period_s": period, "host_s": round(end - start, 6),
-            "apply_s": round(applied - start, 6), "cpu_s": round(cpu_s, 6), "gap_s": gap,
+            "apply_s": round(applied - start, 6), "cpu_s": round(cpu_end - cpu_start, 6),
+            "gap_s": gap, "gap_cpu_s": gap_cpu, "proc_cpu_s": round(proc - self._last_proc, 6),
+            "threads_cpu_s": _threads_since(threads, self._last_threads),
             "tokens": tokens, "loads": loads, "evictions": evictions, "adapters": adapters,
             "adapter_bytes": nbytes, "gc_s": round(gc_s, 6), "gc_full": gc_full,
             **dict(zip(ALLOCATOR_FIELDS, device, strict=True))}) + "\n")
         self._last_start, self._last_end, self._last_counts = start, end, counts
         self._last_gc, self._last_allocator = gc_now, allocator
+        self._last_cpu_end, self._last_proc, self._last_threads = cpu_end, proc, threads
