@@ -31,7 +31,7 @@ ADDITIONAL_CONFIG_KEY = "loraserve"
 # graph, and their caches must not be taken for each other's.
 COMPILE_FIELDS = ("pool", "kernel", "max_slots", "model_runner")
 RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads", "read_in",
-                  "pack",
+                  "read_pause", "pack",
                   "cold_start", "cold_start_group_layers", "cpu_assist_workers")
 
 
@@ -100,6 +100,20 @@ class LoraServeConfig:
         "unexplained (docs/benchmarks/e2e.md, session 30).",
         flag="--loraserve-read-in",
         choices=("processes", "threads"),
+    )
+    read_pause: str = _opt(
+        "off",
+        "Whether the host tier's reads pause while the engine thread launches a "
+        "step's forward pass. 'forward' (experimental, not yet measured on a GPU): "
+        "each read waits at its next checkpoint (before its metadata work, before "
+        "each piece of its file) until the launches end, so the readers, which "
+        "share the engine's GIL, take it at most once each in a forward pass; "
+        "reads go on while the engine schedules and waits for the GPU. On an H200, "
+        "while the readers ran, the engine thread waited 2.0 s of its 5.1 s of "
+        "step time, and the GPU idled 1.0 s longer than without LoRA "
+        "(docs/benchmarks/e2e.md, session 36). 'off': reads never pause.",
+        flag="--loraserve-read-pause",
+        choices=("forward", "off"),
     )
     pack: str = _opt(
         "auto",

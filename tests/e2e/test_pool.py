@@ -80,20 +80,24 @@ def test_ten_adapters_in_one_batch_with_one_vllm_slot(case, tmp_path):
     assert want[0] < want[-1]  # rank 8 holds fewer pages than rank 128
 
 
-@pytest.mark.parametrize("read_in", ["threads", "processes"])
-def test_page_pressure_evicts_idle_adapters_and_outputs_stay_exact(case, tmp_path, read_in):
+@pytest.mark.parametrize("read_in,read_pause", [("threads", "off"), ("processes", "off"),
+                                                 ("threads", "forward")])
+def test_page_pressure_evicts_idle_adapters_and_outputs_stay_exact(case, tmp_path, read_in,
+                                                                   read_pause):
     """A KV cache of 60 pages cannot hold the 10 adapters (~140 pages) at
     once: idle adapters are evicted (LRU) and loaded again, no request is lost.
     The first adapter's requests run long, so it is the oldest resident one
     while others churn: an eviction that ignored use would take it. The host
-    tier's reads run on its threads, or in its reader processes."""
+    tier's reads run on its threads, or in its reader processes, or on its
+    threads parked during each forward pass (--loraserve-read-pause)."""
     model, reqs = case
     first = reqs[0].lora_name
     reqs = [dataclasses.replace(r, max_tokens=40) if r.lora_name == first else r for r in reqs]
     engine = {"max_loras": 1, "max_lora_rank": 128, "max_cpu_loras": 1, "max_num_seqs": 32,
               "num_gpu_blocks_override": 60,
               "additional_config": {"loraserve": {"host_cache_bytes": 4 << 20,
-                                                  "read_in": read_in}}}
+                                                  "read_in": read_in,
+                                                  "read_pause": read_pause}}}
     run = run_vllm(tmp_path, model, reqs, engine, MAX_TOKENS, env=IN_PROCESS)
     check(model, reqs, run["outputs"])
     pool = run["residency"]["pool"]
@@ -109,6 +113,8 @@ def test_page_pressure_evicts_idle_adapters_and_outputs_stay_exact(case, tmp_pat
         assert pool["reader_reads"] >= 10
     else:
         assert pool["reader_processes"] == pool["reader_reads"] == 0
+    if read_pause == "off":
+        assert pool["read_paused_s"] == 0
 
 
 @pytest.mark.parametrize("mode", ["block", "cpu-assist"])

@@ -29,6 +29,7 @@ class Manager(PagedWorkerLoRAManager):
         self.calls: list[tuple] = []
         self._force = force_eager
         self.step_trace = None
+        self.read_gate = None
 
     def apply_step(self, step, idle=False):
         self.calls.append(("apply_step", step, idle))

@@ -52,7 +52,7 @@ def test_wire_keys_are_the_ones_scripts_read():
         "host_adapters", "host_budget", "prefetch_hits", "prefetch_misses",
         "host_overflow_loads", "cold_start",
         "pipelined_groups", "assisted_groups", "cpu_assist_workers", "sync_free_jobs",
-        "reader_processes", "reader_reads", "reader_respawns"]
+        "reader_processes", "reader_reads", "reader_respawns", "read_paused_s"]
     assert wire["pool"]["adapter_step_bytes"] == 123_456_789
     assert wire["pages"] == {3: 16, 11: 24} and wire["events"][0] == (5, "host", 0.25)
     assert list(SLOTS.to_wire()) == ["gpu", "host", "events", "dropped_events"]

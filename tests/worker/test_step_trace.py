@@ -21,6 +21,7 @@ class Manager:
 
     def __init__(self, trace):
         self.step_trace, self.totals = trace, [0, 0, 0, 0]
+        self.read_gate = None
 
     def apply_step(self, step, idle=False):
         time.sleep(0.02)  # page decisions that wait (no CPU time)

@@ -31,7 +31,7 @@ import os
 import reprlib
 import stat
 import threading
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -510,7 +510,8 @@ def _safetensors_index(st_path: str, path: str
 
 def read_weights(path: str, alloc: Any, max_value: float | None = None,
                  parts: Executor | None = None, part_bytes: int = PART_BYTES,
-                 files: SpanFiles | None = None) -> tuple[PeftSpec, RawWeights]:
+                 files: SpanFiles | None = None, pause: Callable[[], None] | None = None
+                 ) -> tuple[PeftSpec, RawWeights]:
     """An adapter's spec (checked as `inspect_adapter` does) and its tensors
     in one buffer that `alloc(nbytes)` returns (a uint8 tensor, e.g. pinned).
     A safetensors file's data goes in with positional reads; an
@@ -526,10 +527,14 @@ def read_weights(path: str, alloc: Any, max_value: float | None = None,
     memory's rate. With `files`, the file is read and screened in those
     pieces by `files.read_spans`, in one request (the host tier's reader
     processes, where `alloc` returns memory they map), and `parts` is not
-    used."""
+    used. `pause` is called where the read may wait for the engine thread
+    (worker/read_gate.py): before its metadata work, before each piece it
+    reads in this process, and after a reader process's answer."""
     import torch
 
+    pause = pause or _no_pause
     dtypes = {st: getattr(torch, t) for st, t in _WEIGHT_DTYPES.items()}
+    pause()
     spec = inspect_adapter(path)
     st_path = os.path.join(spec.path, SAFETENSORS_FILE)
     refs: dict[str, dict[str, RawTensor]] = {}
@@ -550,9 +555,10 @@ def read_weights(path: str, alloc: Any, max_value: float | None = None,
                            else size, _DTYPE_BYTES[screen] if screen else 1)
             if files is not None:  # one request: the reader splits it over its own threads
                 results = files.read_spans(st_path, start, data, spans, screen)
+                pause()
             else:
                 results = read_file_spans(st_path, start, memoryview(data.numpy()), spans,
-                                          screen, parts)
+                                          screen, parts, pause)
         except OSError as e:  # its cause tells a transient error (worker/host_tier.py)
             raise AdapterError(f"{SAFETENSORS_FILE} in {spec.path} is unreadable: {e}") from e
         if sum(got for got, _ in results) != size:
@@ -627,15 +633,22 @@ def read_span(fd: int, view: memoryview, start: int, lo: int, hi: int, screen: s
 
 
 def read_file_spans(path: str, start: int, view: memoryview, spans: list[tuple[int, int]],
-                    screen: str | None, parts: Executor | None) -> list[tuple[int, float | None]]:
+                    screen: str | None, parts: Executor | None,
+                    pause: Callable[[], None] | None = None) -> list[tuple[int, float | None]]:
     """`read_span` of file `path` into `view` for each of `spans`, split
-    over `parts` (`map_all`): the read of this process's threads, and of a
-    reader process (worker/reader_proc.py)."""
+    over `parts` (`map_all`), each after `pause()`: the read of this
+    process's threads, and of a reader process (worker/reader_proc.py)."""
+    pause = pause or _no_pause
     fd = os.open(path, os.O_RDONLY)
     try:
-        return map_all(parts, lambda s: read_span(fd, view, start, *s, screen), spans)
+        return map_all(parts, lambda s: (pause(), read_span(fd, view, start, *s, screen))[1],
+                       spans)
     finally:
         os.close(fd)
+
+
+def _no_pause() -> None:
+    pass
 
 
 def map_all(parts: Executor | None, fn: Any, items: list) -> list:

@@ -36,6 +36,7 @@ plugin's config by its compile key only (config.COMPILE_FIELDS).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -146,8 +147,10 @@ def _run_step(manager, scheduler_output, forward):
     tokens = scheduler_output.total_num_scheduled_tokens
     manager.apply_step(getattr(scheduler_output, STEP_ATTR, None), idle=tokens == 0)
     applied = time.monotonic()
+    gate = manager.read_gate  # None unless --loraserve-read-pause forward
     try:
-        out = forward()
+        with gate.closed() if gate is not None else contextlib.nullcontext():
+            out = forward()
     finally:
         manager.end_forward()  # before the report: a load may fail in the forward pass
     if manager.step_trace is not None:

@@ -83,6 +83,7 @@ from vllm_loraserve.worker.host_tier import (
 from vllm_loraserve.worker.pack_tables import TablePacker, file_table
 from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker.pool import DevicePool
+from vllm_loraserve.worker.read_gate import ReadGate
 from vllm_loraserve.worker.report import LoadEvent, PoolCounters, ResidencyReport
 from vllm_loraserve.worker.residency import MAX_BUFFERED_EVENTS, lora_modules
 from vllm_loraserve.worker.step_trace import StepTrace
@@ -178,6 +179,9 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                            "(docs/benchmarks/e2e.md, session 30)")
         # Each read splits its file's read and check over these (one reader
         # thread alone reads and checks at ~1.4-1.8 GB/s).
+        # --loraserve-read-pause forward: reads park while the engine thread
+        # launches a forward pass (worker/hooks.py closes the gate).
+        self.read_gate = ReadGate() if cfg.read_pause == "forward" else None
         self._read_parts = None if readers_map else ThreadPoolExecutor(
             cfg.read_threads, thread_name_prefix="loraserve-read-part",
             initializer=torch.set_num_threads, initargs=(1,))
@@ -358,9 +362,12 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         read), then against the pool's layout. No other tensor math here:
         readers scale with threads, and the packing into page layout runs on
         the device at load (`_device_streams`)."""
+        pause = self.read_gate.pause if self.read_gate else None
         spec, raw = read_weights(lora_request.lora_path, alloc,
                                  torch.finfo(self.lora_config.lora_dtype).max,
-                                 parts=self._read_parts, files=self._files)
+                                 parts=self._read_parts, files=self._files, pause=pause)
+        if pause:
+            pause()  # the checks and the pack table below are Python work too
         layout = self.pool.layout
         slices = {s.name: s for s in layout.slices}
         where = {}
@@ -637,7 +644,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             sync_free_jobs=cold.sync_free_jobs if cold else 0,
             reader_processes=len(self._files.pids) if self._files else 0,
             reader_reads=self._files.reads if self._files else 0,
-            reader_respawns=self._files.respawns if self._files else 0)
+            reader_respawns=self._files.respawns if self._files else 0,
+            read_paused_s=round(self.read_gate.paused_s, 4) if self.read_gate else 0.0)
         return ResidencyReport(
             gpu=tuple(gpu), host=tuple(sorted(set(host_ids) - set(gpu))), events=events,
             dropped_events=self.dropped_events, pages={i: pool.pages_of(i) for i in gpu},

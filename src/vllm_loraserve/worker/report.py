@@ -94,6 +94,9 @@ class PoolCounters:
     reader_processes: int = 0
     reader_reads: int = 0
     reader_respawns: int = 0
+    # --loraserve-read-pause forward: the reads' seconds parked while the
+    # engine thread launched a forward pass, summed over reading threads.
+    read_paused_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,61 @@
+"""A gate that parks the host tier's reads while the engine thread launches
+a step's forward pass (`--loraserve-read-pause forward`, experimental).
+
+The tier's readers run in the engine's process and share its GIL. The
+engine thread retakes the GIL after every torch call, so while reader
+threads run, each retake may wait for one of them. On an H200 host
+(docs/benchmarks/e2e.md, session 36) the e2e protocol's pool-1000 run read
+all its 266 adapters in its first 7 seconds; in those seconds the engine
+thread waited 2.0 s of its 5.1 s of step time without running, and the GPU
+idled 1.0 s longer than without LoRA (none of it after them). Parked at a
+checkpoint of each read (before its metadata work, before each piece of
+its file, after a reader process's answer), the readers take the GIL at
+most once each in a forward pass, and read while the engine thread
+schedules and waits for the GPU.
+
+Invariants:
+- only the engine thread closes the gate, around the runner's forward pass
+  alone (worker/hooks.py), where it never waits for a read: a step's `get`
+  of an adapter and an idle step's wait for a read come before it
+  (worker/paged_manager.py `apply_step`);
+- `pause` returns at once on the thread that closed the gate, and on any
+  thread while it is open; otherwise when it opens;
+- a parked read keeps what it holds (its arena extent, its file): it is
+  delayed, never failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+
+class ReadGate:
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+        self._owner: int | None = None
+        self._lock = threading.Lock()
+        self.paused_s = 0.0  # the readers' time parked, summed over threads
+
+    @contextlib.contextmanager
+    def closed(self) -> Iterator[None]:
+        """Reads park at their next checkpoint until this block ends."""
+        self._owner = threading.get_ident()
+        self._open.clear()
+        try:
+            yield
+        finally:
+            self._open.set()
+            self._owner = None
+
+    def pause(self) -> None:
+        """A read's checkpoint: wait while another thread holds the gate closed."""
+        if self._open.is_set() or threading.get_ident() == self._owner:
+            return
+        t0 = time.perf_counter()
+        self._open.wait()
+        with self._lock:
+            self.paused_s += time.perf_counter() - t0

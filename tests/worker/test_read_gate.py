@@ -1,0 +1,134 @@
+"""The read gate (--loraserve-read-pause forward): reads park at their
+checkpoints while the engine thread launches a forward pass, and only then."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from vllm_loraserve.adapters.peft import read_weights, write_adapter
+from vllm_loraserve.paging.step import STEP_ATTR
+from vllm_loraserve.worker import hooks
+from vllm_loraserve.worker.read_gate import ReadGate
+
+
+def _parked(gate: ReadGate, seconds: float = 0.2) -> bool:
+    """Whether a thread calling gate.pause() is still waiting after `seconds`."""
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (gate.pause(), done.set()))
+    t.start()
+    parked = not done.wait(seconds)
+    return parked, t, done
+
+
+def test_pause_waits_only_while_another_thread_holds_it_closed():
+    gate = ReadGate()
+    gate.pause()  # open: returns at once
+    with gate.closed():
+        gate.pause()  # the thread that closed it passes (it never waits for itself)
+        parked, t, done = _parked(gate)
+        assert parked
+    assert done.wait(2)  # opened: the parked thread goes on
+    t.join()
+    assert gate.paused_s >= 0.2
+    parked, t, _ = _parked(gate, 0.05)
+    assert not parked
+    t.join()
+
+
+def test_the_gate_opens_when_the_forward_pass_raises():
+    gate = ReadGate()
+    with pytest.raises(RuntimeError), gate.closed():
+        raise RuntimeError("a failed forward pass")
+    parked, t, _ = _parked(gate, 0.05)
+    assert not parked
+    t.join()
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("gate") / "a")
+    g = torch.Generator().manual_seed(0)
+    write_adapter(path, {f"model.layers.{i}.self_attn.q_proj": (
+        torch.randn(4, 64, generator=g), torch.randn(64, 4, generator=g)) for i in range(4)},
+        rank=4, alpha=8, base_model="x")
+    return path
+
+
+@pytest.mark.parametrize("parts", [None, 2])
+def test_a_read_checks_the_gate_before_its_metadata_and_each_piece(adapter, parts):
+    calls = []
+    with ThreadPoolExecutor(parts) if parts else _nothing() as executor:
+        spec, raw = read_weights(adapter, lambda n: torch.empty(n, dtype=torch.uint8), 1e30,
+                                 parts=executor, part_bytes=1024,
+                                 pause=lambda: calls.append(threading.get_ident()))
+    size = raw.data.numel()
+    assert size > 4 * 1024
+    pieces = -(-size // 1024) if parts else 1  # without parts threads, one piece
+    assert len(calls) == 1 + pieces
+
+
+def test_a_read_under_a_closed_gate_waits_then_reads_the_same_bytes(adapter):
+    gate = ReadGate()
+    want = read_weights(adapter, lambda n: torch.empty(n, dtype=torch.uint8), 1e30)[1]
+    with ThreadPoolExecutor(1) as pool:
+        with gate.closed():
+            future = pool.submit(read_weights, adapter,
+                                 lambda n: torch.empty(n, dtype=torch.uint8), 1e30,
+                                 pause=gate.pause)
+            time.sleep(0.2)
+            assert not future.done()
+        _, raw = future.result(timeout=10)
+    assert torch.equal(raw.data, want.data)
+    assert gate.paused_s > 0.1
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+class Manager:
+    """What _run_step asks of the pool's manager, with a gate: it records
+    whether a reader could pass the gate during apply_step and forward."""
+
+    def __init__(self):
+        self.read_gate, self.step_trace, self.seen = ReadGate(), None, {}
+
+    def _probe(self, when):
+        parked, t, _ = _parked(self.read_gate, 0.1)
+        self.seen[when] = parked
+        return t
+
+    def apply_step(self, step, idle=False):
+        self._probe("apply").join()  # a read a step waits for must not park here
+
+    def end_forward(self):
+        pass
+
+    def report(self):
+        return None
+
+
+class SchedulerOutput:
+    total_num_scheduled_tokens = 8
+
+    def __init__(self):
+        setattr(self, STEP_ATTR, None)
+
+
+def test_reads_park_during_the_forward_pass_alone():
+    manager = Manager()
+    threads = []
+    hooks._run_step(manager, SchedulerOutput(), lambda: threads.append(manager._probe("forward")))
+    for t in threads:
+        t.join(2)
+        assert not t.is_alive()  # it went on once the forward pass ended
+    assert manager.seen == {"apply": False, "forward": True}
