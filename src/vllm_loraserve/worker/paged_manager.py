@@ -177,11 +177,11 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             logger.warning("vllm-loraserve: --loraserve-read-in processes is experimental: "
                            "one of its three runs on an H200 stalled, unexplained "
                            "(docs/benchmarks/e2e.md, session 30)")
-        # Each read splits its file's read and check over these (one reader
-        # thread alone reads and checks at ~1.4-1.8 GB/s).
         # --loraserve-read-pause forward: reads park while the engine thread
         # launches a forward pass (worker/hooks.py closes the gate).
         self.read_gate = ReadGate() if cfg.read_pause == "forward" else None
+        # Each read splits its file's read and check over these (one reader
+        # thread alone reads and checks at ~1.4-1.8 GB/s).
         self._read_parts = None if readers_map else ThreadPoolExecutor(
             cfg.read_threads, thread_name_prefix="loraserve-read-part",
             initializer=torch.set_num_threads, initargs=(1,))

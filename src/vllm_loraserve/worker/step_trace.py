@@ -18,22 +18,22 @@ Fields of a line:
   loads, before the forward's launches;
 - `cpu_s`: the worker thread's CPU time within `host_s`; the rest of
   `host_s` it waited without running: for the GIL (which the host tier's
-  reader threads share), a lock or I/O. A wait for the device spins (CUDA's
-  default) and counts as CPU time;
+  reader threads share), a lock, I/O or the device;
+- `gap_s`: since the previous traced step's end: the worker thread's time
+  outside the runner's `execute_model` (in one process with the engine,
+  as offline with one GPU: vLLM's scheduling, its output processing and,
+  on V1 with asynchronous scheduling, `sample_tokens` with the wait for the
+  step's output and the PoolReport);
 - `gap_cpu_s`: the worker thread's CPU time within `gap_s` (vLLM's
-  scheduling and output processing, and spinning on the device); the rest
-  of `gap_s` it waited without running;
+  scheduling and output processing); the rest of `gap_s` it waited without
+  running: for the GIL, or for the step in flight on the GPU (vLLM's wait
+  for a step's output did not count as CPU time on an H200, session 36);
 - `proc_cpu_s`: the whole process's CPU time since the previous line (every
   thread, the GIL's holder among them); `threads_cpu_s`: the part of it of
   the process's other Python threads, by name less its trailing number
   (a ThreadPoolExecutor's `prefix_N`), those above 1 ms only; a thread
   started since the previous line counts from its start. Which threads ran
   while the worker thread waited, that is: not proof of who held the GIL;
-- `gap_s`: since the previous traced step's end: the worker thread's time
-  outside the runner's `execute_model` (in one process with the engine,
-  as offline with one GPU: vLLM's scheduling, its output processing and,
-  on V1 with asynchronous scheduling, `sample_tokens` with the wait for the
-  step's output and the PoolReport);
 - `tokens`; `loads` and `evictions`: page loads and evictions of the step;
   `adapters` and `adapter_bytes`: distinct adapters of its tokens and their
   weights' bytes (the memory roofline's share of the step);
