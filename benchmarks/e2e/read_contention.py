@@ -80,7 +80,7 @@ def case(paths: list[str], read_in: str, readers: int, pause: bool, a: argparse.
     stop, reads = threading.Event(), [0]
     segments = [SharedSegment.create(BUFFER, f"rc{i}") for i in range(readers)] \
         if read_in == "processes" else []
-    files = ReaderProcesses(segments, 1) if segments else None
+    files = ReaderProcesses(segments, readers) if segments else None
     buffers = [s.bytes for s in segments] if segments else \
         [torch.empty(BUFFER, dtype=torch.uint8) for _ in range(readers)]
     parts = ThreadPoolExecutor(readers, thread_name_prefix="part") \

@@ -103,15 +103,16 @@ class LoraServeConfig:
     )
     read_pause: str = _opt(
         "off",
-        "Whether the host tier's reads pause while the engine thread launches a "
-        "step's forward pass. 'forward' (experimental, not yet measured on a GPU): "
-        "each read waits at its next checkpoint (before its metadata work, before "
-        "each piece of its file) until the launches end, so the readers, which "
-        "share the engine's GIL, take it at most once each in a forward pass; "
-        "reads go on while the engine schedules and waits for the GPU. On an H200, "
-        "while the readers ran, the engine thread waited 2.0 s of its 5.1 s of "
-        "step time, and the GPU idled 1.0 s longer than without LoRA "
-        "(docs/benchmarks/e2e.md, session 36). 'off': reads never pause.",
+        "Whether the host tier's reads pause while the engine thread runs the model "
+        "runner's step. 'forward' (experimental, not yet measured on a GPU): each "
+        "read waits at its next checkpoint (before its metadata work, before each "
+        "piece of its file, after a reader process's answer) until the step's "
+        "launches end, so the readers, which share the engine's GIL, contend for it "
+        "far less there; reads go on between steps (vLLM's scheduling, the wait for "
+        "a step's output). On an H200 at 1000 adapters, while the readers ran, the "
+        "engine thread waited 2.0 s of its 4.6 s of step time, and the GPU idled "
+        "1.0 s longer than without LoRA (docs/benchmarks/e2e.md, session 36). 'off': "
+        "reads never pause.",
         flag="--loraserve-read-pause",
         choices=("forward", "off"),
     )

@@ -16,8 +16,10 @@ from vllm_loraserve.worker import hooks
 from vllm_loraserve.worker.read_gate import ReadGate
 
 
-def _parked(gate: ReadGate, seconds: float = 0.2) -> bool:
-    """Whether a thread calling gate.pause() is still waiting after `seconds`."""
+def _parked(gate: ReadGate, seconds: float = 0.3) -> tuple[bool, threading.Thread,
+                                                          threading.Event]:
+    """Whether a thread calling gate.pause() is still waiting after `seconds`
+    (the thread, and the event it sets once past it)."""
     done = threading.Event()
     t = threading.Thread(target=lambda: (gate.pause(), done.set()))
     t.start()
@@ -34,8 +36,8 @@ def test_pause_waits_only_while_another_thread_holds_it_closed():
         assert parked
     assert done.wait(2)  # opened: the parked thread goes on
     t.join()
-    assert gate.paused_s >= 0.2
-    parked, t, _ = _parked(gate, 0.05)
+    assert gate.paused_s >= 0.15
+    parked, t, _ = _parked(gate, 0.5)
     assert not parked
     t.join()
 
@@ -44,7 +46,7 @@ def test_the_gate_opens_when_the_forward_pass_raises():
     gate = ReadGate()
     with pytest.raises(RuntimeError), gate.closed():
         raise RuntimeError("a failed forward pass")
-    parked, t, _ = _parked(gate, 0.05)
+    parked, t, _ = _parked(gate, 0.5)
     assert not parked
     t.join()
 
@@ -84,7 +86,49 @@ def test_a_read_under_a_closed_gate_waits_then_reads_the_same_bytes(adapter):
             assert not future.done()
         _, raw = future.result(timeout=10)
     assert torch.equal(raw.data, want.data)
-    assert gate.paused_s > 0.1
+    assert gate.paused_s > 0.05
+
+
+def test_each_piece_waits_at_its_checkpoint_before_it_is_read(adapter, monkeypatch):
+    """The checkpoint comes before each piece's read, not after it."""
+    import os
+
+    from vllm_loraserve.adapters import peft
+
+    reads, seen = [], []
+    real = peft._pread_into
+    monkeypatch.setattr(peft, "_pread_into", lambda *a: (reads.append(1), real(*a))[1])
+    path = os.path.join(adapter, "adapter_model.safetensors")
+    view = memoryview(bytearray(4096))
+    peft.read_file_spans(path, 0, view, [(0, 1024), (1024, 2048), (2048, 4096)], None, None,
+                         lambda: seen.append(len(reads)))
+    assert seen == [0, 1, 2] and len(reads) == 3
+
+
+def test_the_managers_reads_pass_its_gate(monkeypatch):
+    """_read_file hands read_weights the gate's checkpoint (none without a gate)."""
+    from types import SimpleNamespace
+
+    from vllm_loraserve.worker import paged_manager
+
+    got = []
+
+    def read_weights(*args, pause=None, **kwargs):
+        got.append(pause)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(paged_manager, "read_weights", read_weights)
+    manager = paged_manager.PagedWorkerLoRAManager.__new__(
+        paged_manager.PagedWorkerLoRAManager)
+    manager.lora_config = SimpleNamespace(lora_dtype=torch.float32)
+    manager._read_parts = manager._files = None
+    request = SimpleNamespace(lora_path="/nowhere", lora_name="a")
+    gates = [ReadGate(), None]
+    for gate in gates:
+        manager.read_gate = gate
+        with pytest.raises(RuntimeError, match="stop here"):
+            manager._read_file(request, lambda n: None)
+    assert got == [gates[0].pause, None]
 
 
 class _nothing:
@@ -102,13 +146,15 @@ class Manager:
     def __init__(self):
         self.read_gate, self.step_trace, self.seen = ReadGate(), None, {}
 
-    def _probe(self, when):
-        parked, t, _ = _parked(self.read_gate, 0.1)
+    def _probe(self, when, seconds):
+        parked, t, _ = _parked(self.read_gate, seconds)
         self.seen[when] = parked
         return t
 
     def apply_step(self, step, idle=False):
-        self._probe("apply").join()  # a read a step waits for must not park here
+        t = self._probe("apply", 0.5)  # a read a step waits for must not park here
+        t.join(2)
+        assert not t.is_alive()
 
     def end_forward(self):
         pass
@@ -127,7 +173,8 @@ class SchedulerOutput:
 def test_reads_park_during_the_forward_pass_alone():
     manager = Manager()
     threads = []
-    hooks._run_step(manager, SchedulerOutput(), lambda: threads.append(manager._probe("forward")))
+    hooks._run_step(manager, SchedulerOutput(),
+                    lambda: threads.append(manager._probe("forward", 0.3)))
     for t in threads:
         t.join(2)
         assert not t.is_alive()  # it went on once the forward pass ended

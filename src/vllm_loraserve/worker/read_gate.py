@@ -1,23 +1,28 @@
-"""A gate that parks the host tier's reads while the engine thread launches
-a step's forward pass (`--loraserve-read-pause forward`, experimental).
+"""A gate that parks the host tier's reads while the engine thread runs
+the model runner's step (`--loraserve-read-pause forward`, experimental).
 
 The tier's readers run in the engine's process and share its GIL. The
 engine thread retakes the GIL after every torch call, so while reader
 threads run, each retake may wait for one of them. On an H200 host
 (docs/benchmarks/e2e.md, session 36) the e2e protocol's pool-1000 run read
 all its 266 adapters in its first 7 seconds; in those seconds the engine
-thread waited 2.0 s of its 5.1 s of step time without running, and the GPU
+thread waited 2.0 s of its 4.6 s of step time without running, and the GPU
 idled 1.0 s longer than without LoRA (none of it after them). Parked at a
 checkpoint of each read (before its metadata work, before each piece of
-its file, after a reader process's answer), the readers take the GIL at
-most once each in a forward pass, and read while the engine thread
-schedules and waits for the GPU.
+its file, after a reader process's answer), the readers contend for the
+GIL there only with what they run until their next checkpoint (at most a
+read's metadata work, or a piece in flight), and read between steps,
+while the engine thread schedules and waits for a step's output. Reads
+with no checkpoint inside (an adapter_model.bin, the tensor by tensor
+value check) run on.
 
 Invariants:
-- only the engine thread closes the gate, around the runner's forward pass
-  alone (worker/hooks.py), where it never waits for a read: a step's `get`
-  of an adapter and an idle step's wait for a read come before it
-  (worker/paged_manager.py `apply_step`);
+- only the engine thread closes the gate, around the runner's execute_model
+  alone (worker/hooks.py), where it never reads or waits for a read: its
+  reads (`get`, a runtime `add`) and an idle step's wait for one run with
+  the gate open (worker/paged_manager.py `apply_step`, RPCs between steps),
+  and a read's part threads may park, so a read the engine thread waited
+  for under a closed gate would never end;
 - `pause` returns at once on the thread that closed the gate, and on any
   thread while it is open; otherwise when it opens;
 - a parked read keeps what it holds (its arena extent, its file): it is

@@ -31,8 +31,9 @@ Fields of a line:
 - `proc_cpu_s`: the whole process's CPU time since the previous line (every
   thread, the GIL's holder among them); `threads_cpu_s`: the part of it of
   the process's other Python threads, by name less its trailing number
-  (a ThreadPoolExecutor's `prefix_N`), those above 1 ms only; a thread
-  started since the previous line counts from its start. Which threads ran
+  (a ThreadPoolExecutor's `prefix_N`), those above 1 ms only (Linux); a
+  thread started since the previous line counts from its start, one that
+  ended since counts nothing of that span. Which threads ran
   while the worker thread waited, that is: not proof of who held the GIL;
 - `tokens`; `loads` and `evictions`: page loads and evictions of the step;
   `adapters` and `adapter_bytes`: distinct adapters of its tokens and their
@@ -77,26 +78,41 @@ def _warn_once(message: str) -> None:
     logger.warning(message)
 
 
+_NUMBERED = re.compile(r"[_-]?\d+$")
+
+
+def _thread_clock(tid: int) -> int:
+    """Linux's CPU-time clock of thread `tid` (MAKE_THREAD_CPUCLOCK(tid,
+    CPUCLOCK_SCHED)): by kernel thread id, so a thread that has ended gives
+    EINVAL, where pthread_getcpuclockid of its ended pthread would be
+    undefined behaviour."""
+    return (~tid << 3) | 6
+
+
 def _threads_cpu() -> dict[int, tuple[str, float]]:
-    """CPU seconds of each live Python thread but this one: ident -> (name
-    less its trailing number, seconds)."""
-    out, me = {}, threading.get_ident()
+    """CPU seconds of each live Python thread but this one: kernel thread id
+    -> (name less its trailing number, seconds). A thread that ends between
+    two lines loses its CPU time since the first."""
+    out, me = {}, threading.get_native_id()
     for t in threading.enumerate():
-        if t.ident is None or t.ident == me:
+        if t.native_id is None or t.native_id == me:
             continue
         try:
-            seconds = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
-        except (OSError, ProcessLookupError):
+            seconds = time.clock_gettime(_thread_clock(t.native_id))
+        except OSError:
             continue  # it ended since enumerate()
-        out[t.ident] = re.sub(r"[_-]?\d+$", "", t.name), seconds
+        out[t.native_id] = _NUMBERED.sub("", t.name), seconds
     return out
 
 
 def _threads_since(now: dict[int, tuple[str, float]], last: dict[int, tuple[str, float]]
                    ) -> dict[str, float]:
     by_name: dict[str, float] = {}
-    for ident, (name, seconds) in now.items():
-        by_name[name] = by_name.get(name, 0.0) + seconds - last.get(ident, (name, 0.0))[1]
+    for tid, (name, seconds) in now.items():
+        prev_name, prev = last.get(tid, (name, 0.0))
+        if prev_name != name:  # the id of an ended thread, taken by a new one
+            prev = 0.0
+        by_name[name] = by_name.get(name, 0.0) + seconds - prev
     return {name: round(s, 6) for name, s in sorted(by_name.items()) if s > 1e-3}
 
 
