@@ -89,6 +89,25 @@ def test_a_read_under_a_closed_gate_waits_then_reads_the_same_bytes(adapter):
     assert gate.paused_s > 0.05
 
 
+def test_a_read_in_a_reader_process_checks_the_gate_before_and_after_it(adapter):
+    """With reader processes (`files`), the pieces are read there: the read's
+    checkpoints are before its metadata work and after the process's answer."""
+    from vllm_loraserve.adapters.peft import read_file_spans
+
+    events = []
+
+    class Files:  # reads in this process, as a reader process would
+        def read_spans(self, path, start, dest, spans, screen):
+            events.append("answer")
+            return read_file_spans(path, start, memoryview(dest.numpy()), spans, screen, None)
+
+    want = read_weights(adapter, lambda n: torch.empty(n, dtype=torch.uint8), 1e30)[1]
+    _, raw = read_weights(adapter, lambda n: torch.empty(n, dtype=torch.uint8), 1e30,
+                          files=Files(), part_bytes=1024, pause=lambda: events.append("pause"))
+    assert events == ["pause", "answer", "pause"]
+    assert torch.equal(raw.data, want.data)
+
+
 def test_each_piece_waits_at_its_checkpoint_before_it_is_read(adapter, monkeypatch):
     """The checkpoint comes before each piece's read, not after it."""
     import os
