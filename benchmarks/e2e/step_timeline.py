@@ -59,8 +59,8 @@ def timeline(configs: dict, lines: list[dict], config: str, baseline: str | None
         row["steps"] += 1
         for k in SUMS:
             row[k] += r.get(k) or 0
-        for name, seconds in (r.get("threads_cpu_s") or {}).items():
-            row["threads_cpu_s"][name] = row["threads_cpu_s"].get(name, 0) + seconds
+        for name, cpu_s in (r.get("threads_cpu_s") or {}).items():
+            row["threads_cpu_s"][name] = row["threads_cpu_s"].get(name, 0) + cpu_s
     for row in rows:
         for k in SUMS:
             if isinstance(row[k], float):

@@ -3,6 +3,7 @@ checkpoints while the engine thread launches a forward pass, and only then."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -64,7 +65,7 @@ def adapter(tmp_path_factory):
 @pytest.mark.parametrize("parts", [None, 2])
 def test_a_read_checks_the_gate_before_its_metadata_and_each_piece(adapter, parts):
     calls = []
-    with ThreadPoolExecutor(parts) if parts else _nothing() as executor:
+    with ThreadPoolExecutor(parts) if parts else contextlib.nullcontext() as executor:
         spec, raw = read_weights(adapter, lambda n: torch.empty(n, dtype=torch.uint8), 1e30,
                                  parts=executor, part_bytes=1024,
                                  pause=lambda: calls.append(threading.get_ident()))
@@ -148,14 +149,6 @@ def test_the_managers_reads_pass_its_gate(monkeypatch):
         with pytest.raises(RuntimeError, match="stop here"):
             manager._read_file(request, lambda n: None)
     assert got == [gates[0].pause, None]
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 class Manager:
