@@ -103,17 +103,20 @@ class LoraServeConfig:
     )
     read_pause: str = _opt(
         "forward",
-        "Whether the host tier's reads pause while the engine thread runs the model "
-        "runner's step. 'forward': each read waits at its next checkpoint (before its "
-        "metadata work, before each piece of its file, after a reader process's "
-        "answer) until the step's launches end, so the readers, which share the "
-        "engine's GIL, contend for it far less there; reads go on between steps "
-        "(vLLM's scheduling, the wait for a step's output). On an H200 at 1000 "
-        "adapters (Llama-2-7B q/k/v/o) it kept 0.850 and 0.848 of no-LoRA "
-        "throughput against 0.832 and 0.838 with 'off', and its reads took 1.5x as "
-        "long (docs/benchmarks/e2e.md, session 37). 'off': reads never pause.",
+        "Whether the host tier's reads pause while the engine thread works. "
+        "'forward': each read waits at its next checkpoint (before its metadata "
+        "work, before each piece of its file, after a reader process's answer) "
+        "while the engine thread runs the model runner's step, so the readers, "
+        "which share the engine's GIL, contend for it far less there; reads go on "
+        "between steps (vLLM's scheduling, the wait for a step's output). On an "
+        "H200 at 1000 adapters (Llama-2-7B q/k/v/o) it kept 0.850 and 0.848 of "
+        "no-LoRA throughput against 0.832 and 0.838 with 'off', and its reads "
+        "took 1.5x as long (docs/benchmarks/e2e.md, session 37). 'step' "
+        "(experimental, not yet measured on a GPU): the page decisions and loads "
+        "before the runner's step pause them too, but while the engine thread "
+        "waits for a read. 'off': reads never pause.",
         flag="--loraserve-read-pause",
-        choices=("forward", "off"),
+        choices=("forward", "off", "step"),
     )
     pack: str = _opt(
         "auto",

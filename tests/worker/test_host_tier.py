@@ -5,6 +5,7 @@ engine's copies from it are done."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
@@ -685,3 +686,34 @@ def test_an_io_error_inside_read_weights_is_transient(tmp_path, monkeypatch):
     assert t.get(req)[1] is False and 1 in t
     t.end_step()
     t.check()
+
+
+def test_the_engine_threads_reads_and_waits_run_inside_waiting():
+    """`waiting` (the read gate's `opened`) wraps each read and wait of the
+    calling thread for a read, and nothing else: a hit waits for nothing."""
+    entered = []
+
+    @contextlib.contextmanager
+    def waiting():
+        entered.append(threading.current_thread().name)
+        yield
+
+    t = HostTier(PinnedArena(4 * ALIGN, 1, pinned=False), fake_read, threads=1,
+                 waiting=waiting)
+    t.get(Req(0))  # read here
+    t.end_step()
+    assert len(entered) == 1
+    t.get(Req(0))  # a hit
+    t.end_step()
+    assert len(entered) == 1
+    gate = threading.Event()
+    assert t.prefetch(Req(1, gate=gate), ALIGN)
+    assert t.wait_for_a_read(0.01)  # still reading
+    assert len(entered) == 2
+    gate.set()
+    t.get(Req(1))  # waits for the background read
+    t.add(Req(2))  # a runtime add reads here
+    t.end_step()
+    assert entered == [threading.current_thread().name] * 4  # never on a reader
+    settle(t)
+    t.shutdown()

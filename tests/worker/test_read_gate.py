@@ -1,5 +1,6 @@
-"""The read gate (--loraserve-read-pause forward): reads park at their
-checkpoints while the engine thread launches a forward pass, and only then."""
+"""The read gate (--loraserve-read-pause): reads park at their checkpoints
+while the engine thread launches a forward pass (`forward`) or runs its
+whole step (`step`), and never while it waits for a read."""
 
 from __future__ import annotations
 
@@ -40,6 +41,25 @@ def test_pause_waits_only_while_another_thread_holds_it_closed():
     assert gate.paused_s >= 0.15
     parked, t, _ = _parked(gate, 0.5)
     assert not parked
+    t.join()
+
+
+def test_the_closing_thread_opens_it_while_it_waits_for_a_read():
+    gate = ReadGate()
+    with gate.opened():  # open already: nothing changes
+        assert not _parked(gate, 0.1)[0]
+    with gate.closed():
+        with gate.opened():
+            parked, t, _ = _parked(gate, 0.3)
+            assert not parked
+            t.join()
+        parked, t, done = _parked(gate)  # closed again
+        assert parked
+        opener = threading.Thread(target=lambda: gate.opened().__enter__())
+        opener.start()  # another thread cannot open it
+        opener.join()
+        assert not done.wait(0.2)
+    assert done.wait(2)
     t.join()
 
 
@@ -153,10 +173,12 @@ def test_the_managers_reads_pass_its_gate(monkeypatch):
 
 class Manager:
     """What _run_step asks of the pool's manager, with a gate: it records
-    whether a reader could pass the gate during apply_step and forward."""
+    whether a reader could pass the gate during apply_step (outside and
+    inside a wait for a read, as the host tier opens the gate) and forward."""
 
-    def __init__(self):
-        self.read_gate, self.step_trace, self.seen = ReadGate(), None, {}
+    def __init__(self, read_pause):
+        self.read_gate, self.read_pause = ReadGate(), read_pause
+        self.step_trace, self.seen, self.ended = None, {}, []
 
     def _probe(self, when, seconds):
         parked, t, _ = _parked(self.read_gate, seconds)
@@ -164,12 +186,14 @@ class Manager:
         return t
 
     def apply_step(self, step, idle=False):
-        t = self._probe("apply", 0.5)  # a read a step waits for must not park here
-        t.join(2)
-        assert not t.is_alive()
+        with self.read_gate.opened():  # a read a step waits for must not park here
+            t = self._probe("waiting", 0.5)
+            t.join(2)
+            assert not t.is_alive()
+        self.threads.append(self._probe("apply", 0.3))
 
     def end_forward(self):
-        pass
+        self.ended.append(self.read_gate._open.is_set())
 
     def report(self):
         return None
@@ -182,12 +206,57 @@ class SchedulerOutput:
         setattr(self, STEP_ATTR, None)
 
 
-def test_reads_park_during_the_forward_pass_alone():
-    manager = Manager()
-    threads = []
+@pytest.mark.parametrize("read_pause", ["forward", "step"])
+def test_reads_park_during_the_forward_pass_or_the_whole_step(read_pause):
+    manager = Manager(read_pause)
+    manager.threads = []
     hooks._run_step(manager, SchedulerOutput(),
-                    lambda: threads.append(manager._probe("forward", 0.3)))
-    for t in threads:
+                    lambda: manager.threads.append(manager._probe("forward", 0.3)))
+    for t in manager.threads:
         t.join(2)
-        assert not t.is_alive()  # it went on once the forward pass ended
-    assert manager.seen == {"apply": False, "forward": True}
+        assert not t.is_alive()  # it went on once the step ended
+    assert manager.seen == {"waiting": False, "apply": read_pause == "step", "forward": True}
+    assert manager.ended == [True]  # open again before the forward pass's end
+
+
+def test_the_engine_threads_reads_and_waits_pass_a_gate_it_closed(adapter):
+    """Under a gate closed by the engine thread (`step`), the host tier's
+    `get` reads an adapter there (its pieces on part threads, which pass the
+    gate's checkpoints) and waits for a background read parked at the gate:
+    both end, because the tier opens the gate while it waits (`waiting`)."""
+    from vllm_loraserve.worker.arena import PinnedArena
+    from vllm_loraserve.worker.host_tier import HostTier
+
+    class Req:
+        def __init__(self, i):
+            self.lora_int_id, self.lora_name = i, f"a{i}"
+
+    gate, got = ReadGate(), {}
+    want = read_weights(adapter, lambda n: torch.empty(n, dtype=torch.uint8), 1e30)[1]
+    with ThreadPoolExecutor(2) as parts:
+        def read(req, alloc):
+            return read_weights(adapter, alloc, 1e30, parts=parts, part_bytes=1024,
+                                pause=gate.pause)[1]
+
+        tier = HostTier(PinnedArena(1 << 20, 1, pinned=False), read, threads=1,
+                        waiting=gate.opened)
+
+        def engine():
+            with gate.closed():
+                got[1] = tier.get(Req(1))  # read on this thread
+                assert tier.prefetch(Req(2), 1 << 14)
+                time.sleep(0.2)  # the background read parks at its first checkpoint
+                got[2] = tier.get(Req(2))  # waits for it
+
+        t = threading.Thread(target=engine)
+        t.start()
+        t.join(20)
+        hung = t.is_alive()
+        gate._open.set()  # a hung step's reads go on, so that the test ends
+        t.join(20)
+        assert not hung
+    assert [hit for _, hit in (got[1], got[2])] == [False, False]
+    for raw, _ in got.values():
+        assert torch.equal(raw.data, want.data)
+    assert gate.paused_s > 0.1  # the background read did park
+    tier.shutdown()

@@ -58,6 +58,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -173,14 +174,19 @@ class _Entry(Generic[T]):
 class HostTier(Generic[T]):
     def __init__(self, arena: PinnedArena, read: Callable[[Readable, Alloc], T], threads: int,
                  fence: Callable[[], Fence | None] = lambda: None,
-                 on_read: Callable[[int, float], None] | None = None) -> None:
+                 on_read: Callable[[int, float], None] | None = None,
+                 waiting: Callable[[], AbstractContextManager] = nullcontext) -> None:
         """`read(request, alloc)` reads an adapter: `alloc(nbytes)` (once)
         gives it a uint8 buffer for the file data; it returns the entry.
-        `on_read(lora id, seconds)` is told of each committed read."""
+        `on_read(lora id, seconds)` is told of each committed read. The
+        calling thread's reads and waits for reads (`get`, `add`,
+        `wait_for_a_read`) run inside `waiting()` (worker/read_gate.py's
+        `opened`: reads parked at the gate run on there)."""
         self.arena = arena
         self._read_file = read
         self._fence = fence
         self._on_read = on_read
+        self._waiting = waiting
         # One intra-op thread per reader: the readers' only tensor op (copying
         # an adapter_model.bin) would otherwise start an OpenMP team of all
         # cores in every reader (benchmarks/e2e/read_path.py).
@@ -316,15 +322,16 @@ class HostTier(Generic[T]):
             if lora_id in self._entries:
                 return self._use(lora_id), True
             reading = self._reading.get(lora_id)
-        if reading is not None:
-            try:
-                reading[0].result()
-            except NoRoom:
-                pass  # read it here
-            with self._lock:
-                if lora_id in self._entries:
-                    return self._use(lora_id), False
-        return self._read(request, background=False, record_failure=True, use=True), False
+        with self._waiting():
+            if reading is not None:
+                try:
+                    reading[0].result()
+                except NoRoom:
+                    pass  # read it here
+                with self._lock:
+                    if lora_id in self._entries:
+                        return self._use(lora_id), False
+            return self._read(request, background=False, record_failure=True, use=True), False
 
     def add(self, request: Readable) -> T:
         """Runtime add_lora (first load or in-place reload): read now. A
@@ -334,7 +341,8 @@ class HostTier(Generic[T]):
         self._new_generation(request.lora_int_id)
         with self._lock:
             self._removed.pop(request.lora_int_id, None)
-        return self._read(request, background=False, record_failure=False)
+        with self._waiting():
+            return self._read(request, background=False, record_failure=False)
 
     def remove(self, lora_id: int) -> bool:
         self._new_generation(lora_id)
@@ -382,7 +390,8 @@ class HostTier(Generic[T]):
             self._forget_finished_reads()
             reading = [f for f, _ in self._reading.values()]
         if reading:
-            wait(reading, timeout=timeout, return_when=FIRST_COMPLETED)
+            with self._waiting():
+                wait(reading, timeout=timeout, return_when=FIRST_COMPLETED)
         return any(not f.done() for f in reading)
 
     def end_step(self) -> None:

@@ -44,6 +44,7 @@ warm-up calls). Differences from vLLM:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -177,9 +178,11 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             logger.warning("vllm-loraserve: --loraserve-read-in processes is experimental: "
                            "one of its three runs on an H200 stalled, unexplained "
                            "(docs/benchmarks/e2e.md, session 30)")
-        # --loraserve-read-pause forward: reads park while the engine thread
-        # launches a forward pass (worker/hooks.py closes the gate).
-        self.read_gate = ReadGate() if cfg.read_pause == "forward" else None
+        # --loraserve-read-pause: reads park while the engine thread launches
+        # a forward pass (`forward`), or runs its whole step (`step`): worker/hooks.py
+        # closes the gate, the tier reopens it while the engine thread waits for a read.
+        self.read_pause = cfg.read_pause
+        self.read_gate = ReadGate() if cfg.read_pause != "off" else None
         # Each read splits its file's read and check over these (one reader
         # thread alone reads and checks at ~1.4-1.8 GB/s).
         self._read_parts = None if readers_map else ThreadPoolExecutor(
@@ -187,7 +190,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             initializer=torch.set_num_threads, initargs=(1,))
         self.host: HostTier[HostAdapter] = HostTier(
             arena, self._read_file, cfg.read_threads, fence=self._fence,
-            on_read=lambda lora_id, seconds: self._record(lora_id, "host", seconds))
+            on_read=lambda lora_id, seconds: self._record(lora_id, "host", seconds),
+            waiting=self.read_gate.opened if self.read_gate else contextlib.nullcontext)
         self._lock = threading.Lock()  # events and waits, shared with the readers
         self.step_trace = StepTrace.from_env()  # None unless LORASERVE_STEP_TRACE is set
         # Page loads whose adapter was already in the host tier (hits) or had

@@ -1,5 +1,5 @@
-"""A gate that parks the host tier's reads while the engine thread runs
-the model runner's step (`--loraserve-read-pause forward`, experimental).
+"""A gate that parks the host tier's reads while the engine thread works
+(`--loraserve-read-pause {forward,step}`).
 
 The tier's readers run in the engine's process and share its GIL. The
 engine thread retakes the GIL after every torch call, so while reader
@@ -14,15 +14,18 @@ GIL there only with what they run until their next checkpoint (at most a
 read's metadata work, or a piece in flight), and read between steps,
 while the engine thread schedules and waits for a step's output. Reads
 with no checkpoint inside (an adapter_model.bin, the tensor by tensor
-value check) run on.
+value check) run on. `forward` closes the gate around the runner's
+execute_model; `step` around the page decisions and loads before it too
+(worker/hooks.py), where the engine thread reopens it (`opened`) for as
+long as it waits for a read.
 
 Invariants:
-- only the engine thread closes the gate, around the runner's execute_model
-  alone (worker/hooks.py), where it never reads or waits for a read: its
-  reads (`get`, a runtime `add`) and an idle step's wait for one run with
-  the gate open (worker/paged_manager.py `apply_step`, RPCs between steps),
-  and a read's part threads may park, so a read the engine thread waited
-  for under a closed gate would never end;
+- only the engine thread closes the gate (worker/hooks.py), and it never
+  reads or waits for a read while the gate is closed: its reads and waits
+  for reads (the tier's `get`, `add` and `wait_for_a_read`, worker/host_tier.py)
+  run inside `opened`, and RPCs between steps with the gate open. A
+  read's part threads may park, so a read the engine thread waited for
+  under a closed gate would never end;
 - `pause` returns at once on the thread that closed the gate, and on any
   thread while it is open; otherwise when it opens;
 - a parked read keeps what it holds (its arena extent, its file): it is
@@ -55,6 +58,20 @@ class ReadGate:
         finally:
             self._open.set()
             self._owner = None
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[None]:
+        """The closing thread's wait for a read: reads run until this block
+        ends, then the gate is closed again. On any other thread, or with the
+        gate open, nothing changes."""
+        if threading.get_ident() != self._owner:
+            yield
+            return
+        self._open.set()
+        try:
+            yield
+        finally:
+            self._open.clear()
 
     def pause(self) -> None:
         """A read's checkpoint: wait while another thread holds the gate closed."""
