@@ -13,7 +13,8 @@ the base model (pool-base-only: on a server with the plugin and the 100
 adapters); pool-r8-single replays a one-adapter trace (adapter a0000, rank 8).
 
 `--cold-start MODE` starts the plugin configs with `--loraserve-cold-start
-MODE` (issue 24); without it they get the server's default.
+MODE` (issue 24); without it they get the server's default. `--pool-flags`
+adds any other plugin flags to them, e.g. `--pool-flags="--loraserve-read-pause off"`.
 
 `--start-in host` starts the adapters in host memory instead of on disk
 (issue 24): before the replay, the adapters of the trace's first requests
@@ -36,10 +37,12 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import httpx
 
@@ -125,14 +128,14 @@ def prefetch(client: httpx.Client, trace: str, mapping: dict[str, str],
 
 
 def server_args(name: str, root: str, cold_start: str | None = None,
-                host_bytes: int | None = None) -> list[str]:
+                host_bytes: int | None = None, flags: Sequence[str] = ()) -> list[str]:
     n, plugin, adapters = CONFIGS[name]
     if not plugin and not adapters:
         return []
     if not plugin:
         return [*LORA, "--max-loras", "32", "--max-cpu-loras", str(n), "--lora-modules",
                 *(f"a{i:04d}={os.path.join(root, 'names', f'a{i:04d}')}" for i in range(n))]
-    return pool_args(root, n, cold_start, host_bytes)
+    return [*pool_args(root, n, cold_start, host_bytes), *flags]
 
 
 def model_map(name: str, catalog: str) -> dict[str, str]:
@@ -164,6 +167,8 @@ def main() -> None:
                     help="where the plugin configs' adapters are when the replay starts")
     ap.add_argument("--host-cache-bytes", type=int,
                     help="--loraserve-host-cache-bytes of the plugin configs")
+    ap.add_argument("--pool-flags", default="",
+                    help="more flags of the plugin configs' servers, one string")
     a = ap.parse_args()
     # A time limit's SIGTERM unwinds through `finally`, which stops the server:
     # it runs in a session of its own, so nothing else would.
@@ -179,7 +184,8 @@ def main() -> None:
                              bench_e2e.TARGETS["qkvo"][0], bench_e2e.DEFAULT_RANKS, 100)
     summary: dict = {"rate": a.rate, "duration": a.duration,
                      "cold_start": a.cold_start or "server default", "start_in": a.start_in,
-                     "host_cache_bytes": a.host_cache_bytes, "configs": {}}
+                     "host_cache_bytes": a.host_cache_bytes, "pool_flags": a.pool_flags,
+                     "configs": {}}
     for c in configs:
         n = CONFIGS[c][0]
         trace = os.path.join(a.out, f"trace-{n}.jsonl")
@@ -195,7 +201,8 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         cmd = [vllm_executable(), "serve", model, *COMMON,
                "--host", "127.0.0.1", "--port", str(port),
-               *server_args(c, adapters, a.cold_start, a.host_cache_bytes)]
+               *server_args(c, adapters, a.cold_start, a.host_cache_bytes,
+                            shlex.split(a.pool_flags))]
         server = Server(cmd, os.path.join(a.out, f"server-{c}.log"))
         result: dict = {"command": cmd[1:]}
         try:

@@ -180,8 +180,12 @@ def test_names_per_rank():
     assert ttft_bench.names_per_rank([128], 2, [1, 4]) == 4 + 1 * (1 + 2 * 5)
 
 
-def test_online_cold_start_flag_only_on_plugin_configs(tmp_path):
+def test_online_plugin_flags_only_on_plugin_configs(tmp_path):
     root = str(tmp_path)
+    flags = ["--loraserve-read-pause", "off"]
+    assert online_ttft.server_args("pool-1000", root, flags=flags)[-2:] == flags
+    assert not set(flags) & set(online_ttft.server_args("stock-100", root, flags=flags))
+    assert online_ttft.server_args("none", root, flags=flags) == []
     cmd = online_ttft.server_args("pool-100", root, "pipelined")
     assert cmd[cmd.index("--loraserve-cold-start") + 1] == "pipelined"
     assert "--loraserve-cold-start" not in online_ttft.server_args("pool-100", root)
