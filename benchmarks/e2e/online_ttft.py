@@ -28,7 +28,11 @@ it is in the config's result (`prefetched`).
 Results: replay-CONFIG.json (every request, and the summary: TTFT, TPOT,
 E2E percentiles) and online.json with the summaries and, for configs that
 send requests to adapters, TTFT split into each adapter's first request and
-the later ones (bench/replay.py `first_and_later`: n, percentiles).
+the later ones (bench/replay.py `first_and_later`: n, percentiles). For
+plugin configs, `replay_metrics` holds what the pool's counters and
+histograms on /metrics grew by during the replay (`POOL_METRICS`: reads into
+the host tier and page loads, `loraserve_adapter_load_seconds` by tier;
+requests' waits for their adapter's read, `loraserve_adapter_wait_seconds`).
 """
 
 from __future__ import annotations
@@ -95,6 +99,31 @@ def pool_args(root: str, n: int, cold_start: str | None = None,
             served, "--loraserve-allowed-root", root,
             *(["--loraserve-cold-start", cold_start] if cold_start else []),
             *(["--loraserve-host-cache-bytes", str(host_bytes)] if host_bytes else [])]
+
+
+POOL_METRICS = ("loraserve_adapter_load_seconds", "loraserve_adapter_wait_seconds",
+                "loraserve_pool_page_events", "loraserve_pool_prefetch",
+                "loraserve_pool_layer_groups")
+
+
+def pool_metrics(text: str) -> dict[str, float]:
+    """The samples of `POOL_METRICS` families in a /metrics page, keyed
+    `name{label=value,...}`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in POOL_METRICS:
+            for sample in family.samples:
+                if not sample.name.endswith("_created"):
+                    labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                    out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
+def grew(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What each counter sample grew by (`pool_metrics` of two scrapes)."""
+    return {k: round(v - before.get(k, 0.0), 6) for k, v in after.items()}
 
 
 def prefetch(client: httpx.Client, trace: str, mapping: dict[str, str],
@@ -216,9 +245,14 @@ def main() -> None:
                 result["prefetch_s"] = round(time.time() - t, 1)
                 print(f"[online] {c}: prefetched {result['prefetched']}", flush=True)
             out = os.path.join(a.out, f"replay-{c}.json")
+            plugin = CONFIGS[c][1]
+            before = pool_metrics(httpx.get(f"{url}/metrics").text) if plugin else {}
             loraserve_cli("bench", "replay", "--trace", trace, "--url", url, "--out", out,
                           "--model-map", mapping, "--token-id-min", "4", "--token-id-max",
                           str(shape["vocab_size"]))
+            if plugin:
+                result["replay_metrics"] = grew(
+                    before, pool_metrics(httpx.get(f"{url}/metrics").text))
             records = json.load(open(out))
             result["summary"] = records["summary"]
             if CONFIGS[c][2]:

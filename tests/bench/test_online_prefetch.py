@@ -1,6 +1,7 @@
-"""benchmarks/e2e/online_ttft.py `--start-in host` without a server: the
-adapters of the trace's first requests are prefetched one at a time, in the
-order of their first request, until the host tier answers 409."""
+"""benchmarks/e2e/online_ttft.py without a server: with `--start-in host`,
+the adapters of the trace's first requests are prefetched one at a time, in
+the order of their first request, until the host tier answers 409; the
+pool's counters on /metrics are taken before and after the replay."""
 
 from __future__ import annotations
 
@@ -50,3 +51,30 @@ def test_prefetch_in_first_use_order_one_at_a_time_until_the_tier_is_full(tmp_pa
     assert asked == ["a2", "a0", "a0", "a0", "a4", "a3"]
     assert counts == {"adapters": 5, "asked": 4, "in_host": 2,
                       "by_status": {"200": 2, "400": 1, "409": 1}}
+
+
+def test_replay_metrics_are_what_the_pools_counters_grew_by():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    r = CollectorRegistry()
+    load = Histogram("loraserve_adapter_load_seconds", "", ["tier"], registry=r,
+                     buckets=(0.01, 0.1))
+    events = Counter("loraserve_pool_page_events", "", ["event"], registry=r)
+    Gauge("loraserve_pool_host_bytes", "", registry=r).set(5)  # a level, not a count
+    Counter("loraserve_adapter_requests", "", ["adapter"], registry=r).labels("a").inc()
+    load.labels("host").observe(0.05)
+    events.labels("load").inc(3)
+    before = online_ttft.pool_metrics(generate_latest(r).decode())
+    load.labels("host").observe(0.2)
+    load.labels("device").observe(0.005)
+    events.labels("load").inc(2)
+    events.labels("evict").inc()
+    grew = online_ttft.grew(before, online_ttft.pool_metrics(generate_latest(r).decode()))
+    assert grew["loraserve_adapter_load_seconds_count{tier=host}"] == 1
+    assert grew["loraserve_adapter_load_seconds_sum{tier=host}"] == 0.2
+    assert grew["loraserve_adapter_load_seconds_bucket{le=0.1,tier=host}"] == 0
+    assert grew["loraserve_adapter_load_seconds_count{tier=device}"] == 1
+    assert grew["loraserve_pool_page_events_total{event=load}"] == 2
+    assert grew["loraserve_pool_page_events_total{event=evict}"] == 1
+    assert not [k for k in grew if "host_bytes" in k or "adapter_requests" in k
+                or "_created" in k]
