@@ -25,8 +25,8 @@ import os
 
 from bench_e2e import read_step_trace
 
-SUMS = ("tokens", "loads", "host_s", "apply_s", "cpu_s", "gap_s", "gap_cpu_s", "proc_cpu_s",
-        "gc_s", "gc_full", "device_frees")
+SUMS = ("tokens", "loads", "host_s", "apply_s", "apply_cpu_s", "cpu_s", "gap_s", "gap_cpu_s",
+        "proc_cpu_s", "gc_s", "gc_full", "device_frees")
 
 
 def load_configs(directory: str) -> dict:

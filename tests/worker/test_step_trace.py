@@ -21,10 +21,11 @@ class Manager:
 
     def __init__(self, trace):
         self.step_trace, self.totals = trace, [0, 0, 0, 0]
-        self.read_gate = None
+        self.read_gate, self.apply_cpu = None, 0.0
 
     def apply_step(self, step, idle=False):
         time.sleep(0.02)  # page decisions that wait (no CPU time)
+        _spin(self.apply_cpu)
 
     def end_forward(self):
         pass
@@ -68,6 +69,7 @@ def test_each_step_is_a_line_with_its_own_counts(tmp_path, monkeypatch):
     # in it: the 20 ms wait in apply_step is host time, not CPU time.
     assert all(0.02 <= r["apply_s"] <= r["host_s"] for r in lines)
     assert all(0 <= r["cpu_s"] <= r["host_s"] - 0.015 for r in lines)
+    assert all(0 <= r["apply_cpu_s"] <= r["cpu_s"] for r in lines)
     # The gap runs from the previous step's end to this one's start.
     assert lines[0]["gap_s"] is None
     for prev, r in zip(lines, lines[1:], strict=False):
@@ -93,7 +95,9 @@ def test_cpu_outside_the_step_and_of_other_threads(tmp_path, monkeypatch):
     manager = Manager(trace)
     with ThreadPoolExecutor(2, thread_name_prefix="loraserve-read") as pool:
         try:
+            manager.apply_cpu = 0.03  # the page decisions' own CPU time
             hooks._run_step(manager, SchedulerOutput(8), lambda: None)
+            manager.apply_cpu = 0.0
             _spin(0.06)  # the engine thread's work between steps
             hooks._run_step(manager, SchedulerOutput(8), lambda: None)
             # Two readers burn CPU (each waits for the other: both run at once)
@@ -104,6 +108,8 @@ def test_cpu_outside_the_step_and_of_other_threads(tmp_path, monkeypatch):
         finally:
             trace.close()
     lines = [json.loads(line) for line in open(trace.path)]
+    assert 0.03 <= lines[0]["apply_cpu_s"] <= lines[0]["cpu_s"]
+    assert lines[1]["apply_cpu_s"] < 0.01
     assert 0.06 <= lines[1]["gap_cpu_s"] <= lines[1]["gap_s"]
     assert lines[2]["gap_cpu_s"] < 0.04  # it waited for the readers, without CPU
     readers = lines[2]["threads_cpu_s"]
@@ -148,7 +154,7 @@ def test_garbage_collections_and_device_allocations_are_the_steps_own(tmp_path, 
     with_cuda = StepTrace(str(tmp_path / "cuda"))
     try:
         for _ in range(2):
-            with_cuda.record(0.0, 0.0, 0.0, (0.0, 0.0), 1, (0, 0, 0, 0))
+            with_cuda.record(0.0, 0.0, 0.0, (0.0, 0.0, 0.0), 1, (0, 0, 0, 0))
     finally:
         with_cuda.close()
     lines = [json.loads(line) for line in open(with_cuda.path)]

@@ -150,7 +150,7 @@ def _run_step(manager, scheduler_output, forward):
         if gate is not None and manager.read_pause == "step":
             closed.enter_context(gate.closed())  # the tier opens it to wait for a read
         manager.apply_step(getattr(scheduler_output, STEP_ATTR, None), idle=tokens == 0)
-        applied = time.monotonic()
+        applied, applied_cpu = time.monotonic(), time.thread_time()
         if gate is not None and manager.read_pause == "forward":
             closed.enter_context(gate.closed())
         try:
@@ -159,8 +159,9 @@ def _run_step(manager, scheduler_output, forward):
             closed.close()
             manager.end_forward()  # before the report: a load may fail in the forward pass
     if manager.step_trace is not None:
-        manager.step_trace.record(start, applied, time.monotonic(), (cpu0, time.thread_time()),
-                                  tokens, manager.trace_counts())
+        manager.step_trace.record(start, applied, time.monotonic(),
+                                  (cpu0, applied_cpu, time.thread_time()), tokens,
+                                  manager.trace_counts())
     return _with_report(manager, out)
 
 

@@ -18,7 +18,8 @@ Fields of a line:
   loads, before the forward's launches;
 - `cpu_s`: the worker thread's CPU time within `host_s`; the rest of
   `host_s` it waited without running: for the GIL (which the host tier's
-  reader threads share), a lock, I/O or the device;
+  reader threads share), a lock, I/O or the device; `apply_cpu_s`: its
+  CPU time within `apply_s`;
 - `gap_s`: since the previous traced step's end: the worker thread's time
   outside the runner's `execute_model` (in one process with the engine,
   as offline with one GPU: vLLM's scheduling, its output processing and,
@@ -173,11 +174,12 @@ class StepTrace:
         prefix = os.environ.get(ENV)
         return cls(prefix) if prefix else None
 
-    def record(self, start: float, applied: float, end: float, cpu: tuple[float, float],
-               tokens: int, counts: tuple[int, int, int, int]) -> None:
+    def record(self, start: float, applied: float, end: float,
+               cpu: tuple[float, float, float], tokens: int,
+               counts: tuple[int, int, int, int]) -> None:
         """A step from `start` to `end` (monotonic seconds), its page
         decisions done at `applied`, `cpu`: the thread's CPU clock
-        (time.thread_time) at its start and end, that ran `tokens`; `counts`:
+        (time.thread_time) at those three times, that ran `tokens`; `counts`:
         the pool's running totals of (page loads, evictions, step adapters,
         step adapter bytes) after it. The first step after start-up has no
         period and no gap; its counts are totals since then, its collections
@@ -188,7 +190,7 @@ class StepTrace:
         gap = None if self._last_end is None else round(start - self._last_end, 6)
         gc_now = (self._gc_s, self._gc_full)
         gc_s, gc_full = _since(gc_now, self._last_gc)
-        cpu_start, cpu_end = cpu
+        cpu_start, cpu_applied, cpu_end = cpu
         gap_cpu = None if self._last_cpu_end is None else round(cpu_start - self._last_cpu_end, 6)
         proc, threads = time.process_time(), _threads_cpu()
         allocator = self._allocator()
@@ -197,6 +199,7 @@ class StepTrace:
         self._file.write(json.dumps({
             "mono": round(start, 6), "period_s": period, "host_s": round(end - start, 6),
             "apply_s": round(applied - start, 6), "cpu_s": round(cpu_end - cpu_start, 6),
+            "apply_cpu_s": round(cpu_applied - cpu_start, 6),
             "gap_s": gap, "gap_cpu_s": gap_cpu, "proc_cpu_s": round(proc - self._last_proc, 6),
             "threads_cpu_s": _threads_since(threads, self._last_threads),
             "tokens": tokens, "loads": loads, "evictions": evictions, "adapters": adapters,
