@@ -121,6 +121,15 @@ def pool_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def scrape(url: str) -> dict[str, float] | str:
+    """`pool_metrics` of the server's /metrics, or why not: the replay's
+    results do not depend on it."""
+    try:
+        return pool_metrics(httpx.get(f"{url}/metrics", timeout=30).raise_for_status().text)
+    except Exception as e:  # noqa: BLE001  (recorded in the config's result)
+        return f"{type(e).__name__}: {e}"
+
+
 def grew(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """What each counter sample grew by (`pool_metrics` of two scrapes)."""
     return {k: round(v - before.get(k, 0.0), 6) for k, v in after.items()}
@@ -246,13 +255,15 @@ def main() -> None:
                 print(f"[online] {c}: prefetched {result['prefetched']}", flush=True)
             out = os.path.join(a.out, f"replay-{c}.json")
             plugin = CONFIGS[c][1]
-            before = pool_metrics(httpx.get(f"{url}/metrics").text) if plugin else {}
+            before = scrape(url) if plugin else None
             loraserve_cli("bench", "replay", "--trace", trace, "--url", url, "--out", out,
                           "--model-map", mapping, "--token-id-min", "4", "--token-id-max",
                           str(shape["vocab_size"]))
             if plugin:
-                result["replay_metrics"] = grew(
-                    before, pool_metrics(httpx.get(f"{url}/metrics").text))
+                after = scrape(url)
+                result["replay_metrics"] = grew(before, after) \
+                    if isinstance(before, dict) and isinstance(after, dict) else \
+                    {"error": before if isinstance(before, str) else after}
             records = json.load(open(out))
             result["summary"] = records["summary"]
             if CONFIGS[c][2]:
