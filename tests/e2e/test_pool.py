@@ -90,7 +90,9 @@ def test_page_pressure_evicts_idle_adapters_and_outputs_stay_exact(case, tmp_pat
     while others churn: an eviction that ignored use would take it. The host
     tier's reads run on its threads, or in its reader processes, or on its
     threads parked during each forward pass or whole step, but while the
-    step waits for a read (--loraserve-read-pause)."""
+    step waits for a read (--loraserve-read-pause). Here that is end to end
+    (exact outputs, no hang); a step's wait for a read parked at a closed gate
+    is tested in tests/worker/test_read_gate.py, where it is certain to happen."""
     model, reqs = case
     first = reqs[0].lora_name
     reqs = [dataclasses.replace(r, max_tokens=40) if r.lora_name == first else r for r in reqs]

@@ -47,10 +47,12 @@ def test_pause_waits_only_while_another_thread_holds_it_closed():
 def test_the_closing_thread_opens_it_while_it_waits_for_a_read():
     gate = ReadGate()
     with gate.opened():  # open already: nothing changes
-        assert not _parked(gate, 0.1)[0]
+        assert not _parked(gate, 2)[0]
     with gate.closed():
         with gate.opened():
-            parked, t, _ = _parked(gate, 0.3)
+            with gate.opened():  # nested: the outer one still holds it open
+                pass
+            parked, t, _ = _parked(gate, 2)
             assert not parked
             t.join()
         parked, t, done = _parked(gate)  # closed again
@@ -187,10 +189,10 @@ class Manager:
 
     def apply_step(self, step, idle=False):
         with self.read_gate.opened():  # a read a step waits for must not park here
-            t = self._probe("waiting", 0.5)
+            t = self._probe("waiting", 2)
             t.join(2)
             assert not t.is_alive()
-        self.threads.append(self._probe("apply", 0.3))
+        self.threads.append(self._probe("apply", 1))
 
     def end_forward(self):
         self.ended.append(self.read_gate._open.is_set())
@@ -231,12 +233,16 @@ def test_the_engine_threads_reads_and_waits_pass_a_gate_it_closed(adapter):
         def __init__(self, i):
             self.lora_int_id, self.lora_name = i, f"a{i}"
 
-    gate, got = ReadGate(), {}
+    gate, got, at_gate = ReadGate(), {}, threading.Event()
     want = read_weights(adapter, lambda n: torch.empty(n, dtype=torch.uint8), 1e30)[1]
     with ThreadPoolExecutor(2) as parts:
+        def checkpoint():
+            at_gate.set()
+            gate.pause()
+
         def read(req, alloc):
             return read_weights(adapter, alloc, 1e30, parts=parts, part_bytes=1024,
-                                pause=gate.pause)[1]
+                                pause=checkpoint)[1]
 
         tier = HostTier(PinnedArena(1 << 20, 1, pinned=False), read, threads=1,
                         waiting=gate.opened)
@@ -244,8 +250,10 @@ def test_the_engine_threads_reads_and_waits_pass_a_gate_it_closed(adapter):
         def engine():
             with gate.closed():
                 got[1] = tier.get(Req(1))  # read on this thread
+                at_gate.clear()
                 assert tier.prefetch(Req(2), 1 << 14)
-                time.sleep(0.2)  # the background read parks at its first checkpoint
+                assert at_gate.wait(10)  # the background read is at its first checkpoint
+                time.sleep(0.2)  # and parked there
                 got[2] = tier.get(Req(2))  # waits for it
 
         t = threading.Thread(target=engine)
@@ -258,5 +266,5 @@ def test_the_engine_threads_reads_and_waits_pass_a_gate_it_closed(adapter):
     assert [hit for _, hit in (got[1], got[2])] == [False, False]
     for raw, _ in got.values():
         assert torch.equal(raw.data, want.data)
-    assert gate.paused_s > 0.1  # the background read did park
+    assert gate.paused_s > 0  # the background read did park
     tier.shutdown()

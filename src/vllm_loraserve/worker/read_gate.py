@@ -63,8 +63,8 @@ class ReadGate:
     def opened(self) -> Iterator[None]:
         """The closing thread's wait for a read: reads run until this block
         ends, then the gate is closed again. On any other thread, or with the
-        gate open, nothing changes."""
-        if threading.get_ident() != self._owner:
+        gate open (not closed, or within another `opened`), nothing changes."""
+        if threading.get_ident() != self._owner or self._open.is_set():
             yield
             return
         self._open.set()
