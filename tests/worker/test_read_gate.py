@@ -180,7 +180,7 @@ class Manager:
 
     def __init__(self, read_pause):
         self.read_gate, self.read_pause = ReadGate(), read_pause
-        self.step_trace, self.seen, self.ended = None, {}, []
+        self.step_trace, self.seen, self.ended, self.threads = None, {}, [], []
 
     def _probe(self, when, seconds):
         parked, t, _ = _parked(self.read_gate, seconds)
@@ -211,7 +211,6 @@ class SchedulerOutput:
 @pytest.mark.parametrize("read_pause", ["forward", "step"])
 def test_reads_park_during_the_forward_pass_or_the_whole_step(read_pause):
     manager = Manager(read_pause)
-    manager.threads = []
     hooks._run_step(manager, SchedulerOutput(),
                     lambda: manager.threads.append(manager._probe("forward", 0.3)))
     for t in manager.threads:

@@ -94,8 +94,8 @@ class PoolCounters:
     reader_processes: int = 0
     reader_reads: int = 0
     reader_respawns: int = 0
-    # --loraserve-read-pause forward: the reads' seconds parked while the
-    # engine thread launched a forward pass, summed over reading threads.
+    # --loraserve-read-pause: the reads' seconds parked while the engine
+    # thread held the read gate closed, summed over reading threads.
     read_paused_s: float = 0.0
 
 
