@@ -12,9 +12,10 @@ rank 64, bf16) from `--root` in a loop, as the tier does: `read_weights`
 with the value screen, split over as many part threads (`threads`), or
 through as many reader processes (`processes`). With `pause`, each step's
 calls run with worker/read_gate.py's gate closed and the reads pass its
-checkpoints. Per case: the step's wall time (p50, p90), the engine
-thread's wait in it (wall minus its CPU time: the GIL, or a core), and the
-reads' rate.
+checkpoints (each read counted by the gate's `reading`, as the tier's are: a
+single reader is a lone read, which the gate never parks). Per case: the
+step's wall time (p50, p90), the engine thread's wait in it (wall minus its
+CPU time: the GIL, or a core), and the reads' rate.
 
     PYTHONPATH=src python benchmarks/e2e/read_contention.py --out read_contention.json
 
@@ -89,8 +90,9 @@ def case(paths: list[str], read_in: str, readers: int, pause: bool, a: argparse.
     def reader(i: int) -> None:
         k = i
         while not stop.is_set():
-            read_weights(paths[k % len(paths)], lambda n, i=i: buffers[i][:n], 3e38, parts=parts,
-                         files=files, pause=gate.pause if gate else None)
+            with gate.reading() if gate else contextlib.nullcontext():
+                read_weights(paths[k % len(paths)], lambda n, i=i: buffers[i][:n], 3e38,
+                             parts=parts, files=files, pause=gate.pause if gate else None)
             reads[0] += 1
             k += 1
 

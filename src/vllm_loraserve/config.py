@@ -103,20 +103,20 @@ class LoraServeConfig:
     )
     read_pause: str = _opt(
         "forward",
-        "Whether the host tier's reads pause while the engine thread works. "
-        "'forward': each read waits at its next checkpoint (before its metadata "
-        "work, before each piece of its file, after a reader process's answer) "
-        "while the engine thread runs the model runner's step, so the readers, "
-        "which share the engine's GIL, contend for it far less there; reads go on "
-        "between steps (vLLM's scheduling, the wait for a step's output). On an "
-        "H200 at 1000 adapters (Llama-2-7B q/k/v/o) it kept 0.850 and 0.848 of "
-        "no-LoRA throughput against 0.832 and 0.838 with 'off', and its reads "
-        "took 1.5x as long (docs/benchmarks/e2e.md, session 37). 'step' "
-        "(experimental, not yet measured on a GPU): the page decisions and loads "
-        "before the runner's step pause them too, but while the engine thread "
-        "waits for a read. 'off': reads never pause.",
+        "Whether the host tier's reads pause while the engine thread runs the "
+        "model runner's step. 'forward': while two or more reads are under way, "
+        "each waits at its next checkpoint (before its metadata work, before each "
+        "piece of its file, after a reader process's answer) during the runner's "
+        "step, so the readers, which share the engine's GIL, contend for it far "
+        "less there; they go on between steps (vLLM's scheduling, the wait for a "
+        "step's output). A lone read never waits. On an H200 at 1000 adapters "
+        "(Llama-2-7B q/k/v/o) the gate kept 0.850, 0.848 and 0.846 of no-LoRA "
+        "throughput against 0.832 and 0.838 with 'off' (docs/benchmarks/e2e.md, "
+        "sessions 37-38); that gate parked lone reads too, which made online "
+        "first requests 22-30 ms slower at the median. The lone read's pass is "
+        "CPU-tested, not yet measured on a GPU. 'off': reads never pause.",
         flag="--loraserve-read-pause",
-        choices=("forward", "off", "step"),
+        choices=("forward", "off"),
     )
     pack: str = _opt(
         "auto",

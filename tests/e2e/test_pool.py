@@ -81,7 +81,7 @@ def test_ten_adapters_in_one_batch_with_one_vllm_slot(case, tmp_path):
 
 
 @pytest.mark.parametrize("read_in,read_pause", [("threads", "off"), ("processes", "off"),
-                                                 ("threads", "forward"), ("threads", "step")])
+                                                 ("threads", "forward")])
 def test_page_pressure_evicts_idle_adapters_and_outputs_stay_exact(case, tmp_path, read_in,
                                                                    read_pause):
     """A KV cache of 60 pages cannot hold the 10 adapters (~140 pages) at
@@ -89,10 +89,9 @@ def test_page_pressure_evicts_idle_adapters_and_outputs_stay_exact(case, tmp_pat
     The first adapter's requests run long, so it is the oldest resident one
     while others churn: an eviction that ignored use would take it. The host
     tier's reads run on its threads, or in its reader processes, or on its
-    threads parked during each forward pass or whole step, but while the
-    step waits for a read (--loraserve-read-pause). Here that is end to end
-    (exact outputs, no hang); a step's wait for a read parked at a closed gate
-    is tested in tests/worker/test_read_gate.py, where it is certain to happen."""
+    threads parked during each forward pass while another read is under way
+    (--loraserve-read-pause): end to end here (exact outputs, no hang); the
+    gate's parking in tests/worker/test_read_gate.py, where it is certain."""
     model, reqs = case
     first = reqs[0].lora_name
     reqs = [dataclasses.replace(r, max_tokens=40) if r.lora_name == first else r for r in reqs]

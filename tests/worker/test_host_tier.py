@@ -5,7 +5,6 @@ engine's copies from it are done."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import random
@@ -686,49 +685,3 @@ def test_an_io_error_inside_read_weights_is_transient(tmp_path, monkeypatch):
     assert t.get(req)[1] is False and 1 in t
     t.end_step()
     t.check()
-
-
-def test_the_engine_threads_reads_and_waits_run_inside_waiting(monkeypatch):
-    """`waiting` (the read gate's `opened`) wraps each read and wait of the
-    calling thread for a read, and nothing else: a hit waits for nothing."""
-    from vllm_loraserve.worker import host_tier
-
-    inside, entered, waits, release = threading.Event(), [], [], [False]
-    ready = threading.Event()  # the background read ends once `get` waits for it
-
-    @contextlib.contextmanager
-    def waiting():
-        entered.append(threading.current_thread().name)
-        inside.set()
-        if release[0]:
-            ready.set()
-        try:
-            yield
-        finally:
-            inside.clear()
-
-    def read(req, alloc):
-        if req.gate is None:  # a read on the calling thread
-            assert inside.is_set()
-        return fake_read(req, alloc)
-
-    real_wait = host_tier.wait
-    monkeypatch.setattr(host_tier, "wait",
-                        lambda *a, **kw: (waits.append(inside.is_set()), real_wait(*a, **kw))[1])
-    t = HostTier(PinnedArena(4 * ALIGN, 1, pinned=False), read, threads=1, waiting=waiting)
-    t.get(Req(0))  # read here
-    t.end_step()
-    assert len(entered) == 1
-    t.get(Req(0))  # a hit
-    t.end_step()
-    assert len(entered) == 1
-    assert t.prefetch(Req(1, gate=ready), ALIGN)
-    assert t.wait_for_a_read(0.01)  # still reading
-    assert waits == [True] and len(entered) == 2
-    release[0] = True
-    assert t.get(Req(1))[1] is False and len(entered) == 3  # waited for the read
-    t.add(Req(2))  # a runtime add reads here
-    t.end_step()
-    assert entered == [threading.current_thread().name] * 4  # never on a reader
-    settle(t)
-    t.shutdown()

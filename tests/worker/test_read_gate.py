@@ -1,6 +1,6 @@
-"""The read gate (--loraserve-read-pause): reads park at their checkpoints
-while the engine thread launches a forward pass (`forward`) or runs its
-whole step (`step`), and never while it waits for a read."""
+"""The read gate (--loraserve-read-pause forward): while two or more reads
+are under way, they park at their checkpoints while the engine thread
+launches a forward pass; a lone read never parks."""
 
 from __future__ import annotations
 
@@ -29,49 +29,65 @@ def _parked(gate: ReadGate, seconds: float = 0.3) -> tuple[bool, threading.Threa
     return parked, t, done
 
 
-def test_pause_waits_only_while_another_thread_holds_it_closed():
+def test_pause_waits_only_while_another_thread_holds_it_closed_and_reads_overlap():
     gate = ReadGate()
-    gate.pause()  # open: returns at once
-    with gate.closed():
-        gate.pause()  # the thread that closed it passes (it never waits for itself)
-        parked, t, done = _parked(gate)
-        assert parked
-    assert done.wait(2)  # opened: the parked thread goes on
-    t.join()
-    assert gate.paused_s >= 0.15
-    parked, t, _ = _parked(gate, 0.5)
-    assert not parked
-    t.join()
+    with gate.reading(), gate.reading():  # two reads under way
+        gate.pause()  # open: returns at once
+        with gate.closed():
+            gate.pause()  # the thread that closed it passes (it never waits for itself)
+            parked, t, done = _parked(gate)
+            assert parked
+        assert done.wait(2)  # opened: the parked thread goes on
+        t.join()
+        assert gate.paused_s >= 0.15
+        parked, t, _ = _parked(gate, 0.5)
+        assert not parked
+        t.join()
 
 
-def test_the_closing_thread_opens_it_while_it_waits_for_a_read():
+@pytest.mark.parametrize("reads", [0, 1])
+def test_a_lone_read_passes_a_closed_gate(reads):
     gate = ReadGate()
-    with gate.opened():  # open already: nothing changes
-        assert not _parked(gate, 2)[0]
-    with gate.closed():
-        with gate.opened():
-            with gate.opened():  # nested: the outer one still holds it open
-                pass
+    with contextlib.ExitStack() as stack:
+        for _ in range(reads):
+            stack.enter_context(gate.reading())
+        with gate.closed():
             parked, t, _ = _parked(gate, 2)
             assert not parked
             t.join()
-        parked, t, done = _parked(gate)  # closed again
+    assert gate.paused_s == 0
+
+
+def test_the_read_left_alone_goes_on_under_a_closed_gate():
+    """When the other read ends, a parked one runs on before the gate opens."""
+    gate = ReadGate()
+    with gate.reading(), gate.closed():
+        other = gate.reading()
+        other.__enter__()
+        parked, t, done = _parked(gate)
         assert parked
-        opener = threading.Thread(target=lambda: gate.opened().__enter__())
-        opener.start()  # another thread cannot open it
-        opener.join()
-        assert not done.wait(0.2)
-    assert done.wait(2)
-    t.join()
+        other.__exit__(None, None, None)
+        assert done.wait(2)
+        t.join()
+
+
+def test_a_failed_read_stops_counting():
+    gate = ReadGate()
+    with gate.reading():
+        with pytest.raises(OSError), gate.reading():
+            raise OSError("a failed read")
+        with gate.closed():
+            assert not _parked(gate, 2)[0]
 
 
 def test_the_gate_opens_when_the_forward_pass_raises():
     gate = ReadGate()
-    with pytest.raises(RuntimeError), gate.closed():
-        raise RuntimeError("a failed forward pass")
-    parked, t, _ = _parked(gate, 0.5)
-    assert not parked
-    t.join()
+    with gate.reading(), gate.reading():
+        with pytest.raises(RuntimeError), gate.closed():
+            raise RuntimeError("a failed forward pass")
+        parked, t, _ = _parked(gate, 0.5)
+        assert not parked
+        t.join()
 
 
 @pytest.fixture(scope="module")
@@ -97,19 +113,26 @@ def test_a_read_checks_the_gate_before_its_metadata_and_each_piece(adapter, part
     assert len(calls) == 1 + pieces
 
 
-def test_a_read_under_a_closed_gate_waits_then_reads_the_same_bytes(adapter):
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_read_under_a_closed_gate_waits_unless_alone_then_reads_the_same_bytes(adapter,
+                                                                                alone):
     gate = ReadGate()
+
+    def read():
+        with gate.reading():
+            return read_weights(adapter, lambda n: torch.empty(n, dtype=torch.uint8), 1e30,
+                                pause=gate.pause)
+
     want = read_weights(adapter, lambda n: torch.empty(n, dtype=torch.uint8), 1e30)[1]
     with ThreadPoolExecutor(1) as pool:
-        with gate.closed():
-            future = pool.submit(read_weights, adapter,
-                                 lambda n: torch.empty(n, dtype=torch.uint8), 1e30,
-                                 pause=gate.pause)
-            time.sleep(0.2)
-            assert not future.done()
-        _, raw = future.result(timeout=10)
+        with gate.reading() if not alone else contextlib.nullcontext():  # another read
+            with gate.closed():
+                future = pool.submit(read)
+                time.sleep(0.2)
+                assert future.done() == alone
+            _, raw = future.result(timeout=10)
     assert torch.equal(raw.data, want.data)
-    assert gate.paused_s > 0.05
+    assert (gate.paused_s > 0.05) != alone
 
 
 def test_a_read_in_a_reader_process_checks_the_gate_before_and_after_it(adapter):
@@ -148,7 +171,8 @@ def test_each_piece_waits_at_its_checkpoint_before_it_is_read(adapter, monkeypat
 
 
 def test_the_managers_reads_pass_its_gate(monkeypatch):
-    """_read_file hands read_weights the gate's checkpoint (none without a gate)."""
+    """_read_file hands read_weights the gate's checkpoint (none without a
+    gate), and counts its read for the gate while it runs."""
     from types import SimpleNamespace
 
     from vllm_loraserve.worker import paged_manager
@@ -156,7 +180,8 @@ def test_the_managers_reads_pass_its_gate(monkeypatch):
     got = []
 
     def read_weights(*args, pause=None, **kwargs):
-        got.append(pause)
+        gate = manager.read_gate
+        got.append((pause, gate._reads if gate else None))
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(paged_manager, "read_weights", read_weights)
@@ -170,16 +195,16 @@ def test_the_managers_reads_pass_its_gate(monkeypatch):
         manager.read_gate = gate
         with pytest.raises(RuntimeError, match="stop here"):
             manager._read_file(request, lambda n: None)
-    assert got == [gates[0].pause, None]
+    assert got == [(gates[0].pause, 1), (None, None)]
+    assert gates[0]._reads == 0  # the failed read no longer counts
 
 
 class Manager:
     """What _run_step asks of the pool's manager, with a gate: it records
-    whether a reader could pass the gate during apply_step (outside and
-    inside a wait for a read, as the host tier opens the gate) and forward."""
+    whether a reader could pass the gate during apply_step and forward."""
 
-    def __init__(self, read_pause):
-        self.read_gate, self.read_pause = ReadGate(), read_pause
+    def __init__(self):
+        self.read_gate = ReadGate()
         self.step_trace, self.seen, self.ended, self.threads = None, {}, [], []
 
     def _probe(self, when, seconds):
@@ -188,14 +213,10 @@ class Manager:
         return t
 
     def apply_step(self, step, idle=False):
-        with self.read_gate.opened():  # a read a step waits for must not park here
-            t = self._probe("waiting", 2)
-            t.join(2)
-            assert not t.is_alive()
         self.threads.append(self._probe("apply", 1))
 
     def end_forward(self):
-        self.ended.append(self.read_gate._open.is_set())
+        self.ended.append(self.read_gate._closed_by is None)
 
     def report(self):
         return None
@@ -208,62 +229,16 @@ class SchedulerOutput:
         setattr(self, STEP_ATTR, None)
 
 
-@pytest.mark.parametrize("read_pause", ["forward", "step"])
-def test_reads_park_during_the_forward_pass_or_the_whole_step(read_pause):
-    manager = Manager(read_pause)
-    hooks._run_step(manager, SchedulerOutput(),
-                    lambda: manager.threads.append(manager._probe("forward", 0.3)))
+@pytest.mark.parametrize("reads", [1, 2])
+def test_reads_park_during_the_forward_pass_only_if_two_are_under_way(reads):
+    manager = Manager()
+    with contextlib.ExitStack() as stack:
+        for _ in range(reads):
+            stack.enter_context(manager.read_gate.reading())
+        hooks._run_step(manager, SchedulerOutput(),
+                        lambda: manager.threads.append(manager._probe("forward", 0.3)))
     for t in manager.threads:
         t.join(2)
         assert not t.is_alive()  # it went on once the step ended
-    assert manager.seen == {"waiting": False, "apply": read_pause == "step", "forward": True}
+    assert manager.seen == {"apply": False, "forward": reads > 1}
     assert manager.ended == [True]  # open again before the forward pass's end
-
-
-def test_the_engine_threads_reads_and_waits_pass_a_gate_it_closed(adapter):
-    """Under a gate closed by the engine thread (`step`), the host tier's
-    `get` reads an adapter there (its pieces on part threads, which pass the
-    gate's checkpoints) and waits for a background read parked at the gate:
-    both end, because the tier opens the gate while it waits (`waiting`)."""
-    from vllm_loraserve.worker.arena import PinnedArena
-    from vllm_loraserve.worker.host_tier import HostTier
-
-    class Req:
-        def __init__(self, i):
-            self.lora_int_id, self.lora_name = i, f"a{i}"
-
-    gate, got, at_gate = ReadGate(), {}, threading.Event()
-    want = read_weights(adapter, lambda n: torch.empty(n, dtype=torch.uint8), 1e30)[1]
-    with ThreadPoolExecutor(2) as parts:
-        def checkpoint():
-            at_gate.set()
-            gate.pause()
-
-        def read(req, alloc):
-            return read_weights(adapter, alloc, 1e30, parts=parts, part_bytes=1024,
-                                pause=checkpoint)[1]
-
-        tier = HostTier(PinnedArena(1 << 20, 1, pinned=False), read, threads=1,
-                        waiting=gate.opened)
-
-        def engine():
-            with gate.closed():
-                got[1] = tier.get(Req(1))  # read on this thread
-                at_gate.clear()
-                assert tier.prefetch(Req(2), 1 << 14)
-                assert at_gate.wait(10)  # the background read is at its first checkpoint
-                time.sleep(0.2)  # and parked there
-                got[2] = tier.get(Req(2))  # waits for it
-
-        t = threading.Thread(target=engine)
-        t.start()
-        t.join(20)
-        hung = t.is_alive()
-        gate._open.set()  # a hung step's reads go on, so that the test ends
-        t.join(20)
-        assert not hung
-    assert [hit for _, hit in (got[1], got[2])] == [False, False]
-    for raw, _ in got.values():
-        assert torch.equal(raw.data, want.data)
-    assert gate.paused_s > 0  # the background read did park
-    tier.shutdown()

@@ -145,19 +145,14 @@ def _run_step(manager, scheduler_output, forward):
 
     start, cpu0 = time.monotonic(), time.thread_time()
     tokens = scheduler_output.total_num_scheduled_tokens
+    manager.apply_step(getattr(scheduler_output, STEP_ATTR, None), idle=tokens == 0)
+    applied, applied_cpu = time.monotonic(), time.thread_time()
     gate = manager.read_gate  # None with --loraserve-read-pause off
-    with contextlib.ExitStack() as closed:  # reads park at their checkpoints in it
-        if gate is not None and manager.read_pause == "step":
-            closed.enter_context(gate.closed())  # the tier opens it to wait for a read
-        manager.apply_step(getattr(scheduler_output, STEP_ATTR, None), idle=tokens == 0)
-        applied, applied_cpu = time.monotonic(), time.thread_time()
-        if gate is not None and manager.read_pause == "forward":
-            closed.enter_context(gate.closed())
-        try:
-            out = forward()
-        finally:
-            closed.close()
-            manager.end_forward()  # before the report: a load may fail in the forward pass
+    try:
+        with gate.closed() if gate is not None else contextlib.nullcontext():
+            out = forward()  # reads park at their checkpoints meanwhile
+    finally:
+        manager.end_forward()  # before the report: a load may fail in the forward pass
     if manager.step_trace is not None:
         manager.step_trace.record(start, applied, time.monotonic(),
                                   (cpu0, applied_cpu, time.thread_time()), tokens,

@@ -58,7 +58,6 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -174,19 +173,14 @@ class _Entry(Generic[T]):
 class HostTier(Generic[T]):
     def __init__(self, arena: PinnedArena, read: Callable[[Readable, Alloc], T], threads: int,
                  fence: Callable[[], Fence | None] = lambda: None,
-                 on_read: Callable[[int, float], None] | None = None,
-                 waiting: Callable[[], AbstractContextManager] = nullcontext) -> None:
+                 on_read: Callable[[int, float], None] | None = None) -> None:
         """`read(request, alloc)` reads an adapter: `alloc(nbytes)` (once)
         gives it a uint8 buffer for the file data; it returns the entry.
-        `on_read(lora id, seconds)` is told of each committed read. The
-        calling thread's reads and waits for reads (`get`, `add`,
-        `wait_for_a_read`) run inside `waiting()` (worker/read_gate.py's
-        `opened`: reads parked at the gate run on there)."""
+        `on_read(lora id, seconds)` is told of each committed read."""
         self.arena = arena
         self._read_file = read
         self._fence = fence
         self._on_read = on_read
-        self._waiting = waiting
         # One intra-op thread per reader: the readers' only tensor op (copying
         # an adapter_model.bin) would otherwise start an OpenMP team of all
         # cores in every reader (benchmarks/e2e/read_path.py).
@@ -322,16 +316,15 @@ class HostTier(Generic[T]):
             if lora_id in self._entries:
                 return self._use(lora_id), True
             reading = self._reading.get(lora_id)
-        with self._waiting():
-            if reading is not None:
-                try:
-                    reading[0].result()
-                except NoRoom:
-                    pass  # read it here
-                with self._lock:
-                    if lora_id in self._entries:
-                        return self._use(lora_id), False
-            return self._read(request, background=False, record_failure=True, use=True), False
+        if reading is not None:
+            try:
+                reading[0].result()
+            except NoRoom:
+                pass  # read it here
+            with self._lock:
+                if lora_id in self._entries:
+                    return self._use(lora_id), False
+        return self._read(request, background=False, record_failure=True, use=True), False
 
     def add(self, request: Readable) -> T:
         """Runtime add_lora (first load or in-place reload): read now. A
@@ -341,8 +334,7 @@ class HostTier(Generic[T]):
         self._new_generation(request.lora_int_id)
         with self._lock:
             self._removed.pop(request.lora_int_id, None)
-        with self._waiting():
-            return self._read(request, background=False, record_failure=False)
+        return self._read(request, background=False, record_failure=False)
 
     def remove(self, lora_id: int) -> bool:
         self._new_generation(lora_id)
@@ -390,8 +382,7 @@ class HostTier(Generic[T]):
             self._forget_finished_reads()
             reading = [f for f, _ in self._reading.values()]
         if reading:
-            with self._waiting():
-                wait(reading, timeout=timeout, return_when=FIRST_COMPLETED)
+            wait(reading, timeout=timeout, return_when=FIRST_COMPLETED)
         return any(not f.done() for f in reading)
 
     def end_step(self) -> None:

@@ -178,10 +178,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             logger.warning("vllm-loraserve: --loraserve-read-in processes is experimental: "
                            "one of its three runs on an H200 stalled, unexplained "
                            "(docs/benchmarks/e2e.md, session 30)")
-        # --loraserve-read-pause: reads park while the engine thread launches
-        # a forward pass (`forward`), or runs its whole step (`step`): worker/hooks.py
-        # closes the gate, the tier reopens it while the engine thread waits for a read.
-        self.read_pause = cfg.read_pause
+        # --loraserve-read-pause: reads park while the engine thread launches a
+        # forward pass (worker/hooks.py closes the gate), unless one runs alone.
         self.read_gate = ReadGate() if cfg.read_pause != "off" else None
         # Each read splits its file's read and check over these (one reader
         # thread alone reads and checks at ~1.4-1.8 GB/s).
@@ -190,8 +188,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             initializer=torch.set_num_threads, initargs=(1,))
         self.host: HostTier[HostAdapter] = HostTier(
             arena, self._read_file, cfg.read_threads, fence=self._fence,
-            on_read=lambda lora_id, seconds: self._record(lora_id, "host", seconds),
-            waiting=self.read_gate.opened if self.read_gate else contextlib.nullcontext)
+            on_read=lambda lora_id, seconds: self._record(lora_id, "host", seconds))
         self._lock = threading.Lock()  # events and waits, shared with the readers
         self.step_trace = StepTrace.from_env()  # None unless LORASERVE_STEP_TRACE is set
         # Page loads whose adapter was already in the host tier (hits) or had
@@ -366,12 +363,15 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         read), then against the pool's layout. No other tensor math here:
         readers scale with threads, and the packing into page layout runs on
         the device at load (`_device_streams`)."""
-        pause = self.read_gate.pause if self.read_gate else None
-        spec, raw = read_weights(lora_request.lora_path, alloc,
-                                 torch.finfo(self.lora_config.lora_dtype).max,
-                                 parts=self._read_parts, files=self._files, pause=pause)
-        if pause:
-            pause()  # the checks and the pack table below are Python work too
+        gate = self.read_gate
+        # A read counts for the gate up to its last checkpoint: a lone one passes.
+        with gate.reading() if gate else contextlib.nullcontext():
+            spec, raw = read_weights(lora_request.lora_path, alloc,
+                                     torch.finfo(self.lora_config.lora_dtype).max,
+                                     parts=self._read_parts, files=self._files,
+                                     pause=gate.pause if gate else None)
+            if gate:
+                gate.pause()  # the checks and the pack table below are Python work too
         layout = self.pool.layout
         slices = {s.name: s for s in layout.slices}
         where = {}
