@@ -17,32 +17,42 @@ from vllm_loraserve.paging.step import STEP_ATTR
 from vllm_loraserve.worker import hooks
 from vllm_loraserve.worker.read_gate import ReadGate
 
+PASS_S = 10  # how long a checkpoint that should pass may take: it returns at once if it does
+
 
 def _parked(gate: ReadGate, seconds: float = 0.3) -> tuple[bool, threading.Thread,
                                                           threading.Event]:
-    """Whether a thread calling gate.pause() is still waiting after `seconds`
-    (the thread, and the event it sets once past it)."""
-    done = threading.Event()
-    t = threading.Thread(target=lambda: (gate.pause(), done.set()))
+    """Whether a thread calling gate.pause() is still waiting `seconds` after
+    it reached the call (the thread, and the event it sets once past it)."""
+    at, done = threading.Event(), threading.Event()
+    t = threading.Thread(target=lambda: (at.set(), gate.pause(), done.set()))
     t.start()
+    assert at.wait(PASS_S)
     parked = not done.wait(seconds)
     return parked, t, done
 
 
-def test_pause_waits_only_while_another_thread_holds_it_closed_and_reads_overlap():
+def test_pause_waits_only_while_the_gate_is_closed_and_reads_overlap():
     gate = ReadGate()
     with gate.reading(), gate.reading():  # two reads under way
         gate.pause()  # open: returns at once
         with gate.closed():
-            gate.pause()  # the thread that closed it passes (it never waits for itself)
             parked, t, done = _parked(gate)
             assert parked
-        assert done.wait(2)  # opened: the parked thread goes on
+        assert done.wait(PASS_S)  # opened: the parked thread goes on
         t.join()
         assert gate.paused_s >= 0.15
-        parked, t, _ = _parked(gate, 0.5)
+        parked, t, _ = _parked(gate, PASS_S)
         assert not parked
         t.join()
+
+
+def test_a_checkpoint_on_the_thread_that_closed_the_gate_raises():
+    """The engine thread never reads under its closed gate: a read's part
+    threads could park there, and the engine thread would wait for them."""
+    gate = ReadGate()
+    with gate.closed(), pytest.raises(RuntimeError, match="could deadlock"):
+        gate.pause()
 
 
 @pytest.mark.parametrize("reads", [0, 1])
@@ -52,7 +62,7 @@ def test_a_lone_read_passes_a_closed_gate(reads):
         for _ in range(reads):
             stack.enter_context(gate.reading())
         with gate.closed():
-            parked, t, _ = _parked(gate, 2)
+            parked, t, _ = _parked(gate, PASS_S)
             assert not parked
             t.join()
     assert gate.paused_s == 0
@@ -67,7 +77,7 @@ def test_the_read_left_alone_goes_on_under_a_closed_gate():
         parked, t, done = _parked(gate)
         assert parked
         other.__exit__(None, None, None)
-        assert done.wait(2)
+        assert done.wait(PASS_S)
         t.join()
 
 
@@ -77,7 +87,7 @@ def test_a_failed_read_stops_counting():
         with pytest.raises(OSError), gate.reading():
             raise OSError("a failed read")
         with gate.closed():
-            assert not _parked(gate, 2)[0]
+            assert not _parked(gate, PASS_S)[0]
 
 
 def test_the_gate_opens_when_the_forward_pass_raises():
@@ -85,7 +95,7 @@ def test_the_gate_opens_when_the_forward_pass_raises():
     with gate.reading(), gate.reading():
         with pytest.raises(RuntimeError), gate.closed():
             raise RuntimeError("a failed forward pass")
-        parked, t, _ = _parked(gate, 0.5)
+        parked, t, _ = _parked(gate, PASS_S)
         assert not parked
         t.join()
 
@@ -113,26 +123,32 @@ def test_a_read_checks_the_gate_before_its_metadata_and_each_piece(adapter, part
     assert len(calls) == 1 + pieces
 
 
+@pytest.mark.parametrize("parts", [None, 2])
 @pytest.mark.parametrize("alone", [False, True])
 def test_a_read_under_a_closed_gate_waits_unless_alone_then_reads_the_same_bytes(adapter,
-                                                                                alone):
+                                                                                alone, parts):
+    """With `parts`, the read's pieces and their checkpoints run on part
+    threads, which did not enter `reading` themselves."""
     gate = ReadGate()
-
-    def read():
-        with gate.reading():
-            return read_weights(adapter, lambda n: torch.empty(n, dtype=torch.uint8), 1e30,
-                                pause=gate.pause)
-
     want = read_weights(adapter, lambda n: torch.empty(n, dtype=torch.uint8), 1e30)[1]
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(1) as pool, \
+            ThreadPoolExecutor(parts) if parts else contextlib.nullcontext() as executor:
+        def read():
+            with gate.reading():
+                return read_weights(adapter, lambda n: torch.empty(n, dtype=torch.uint8),
+                                    1e30, parts=executor, part_bytes=1024, pause=gate.pause)
+
         with gate.reading() if not alone else contextlib.nullcontext():  # another read
             with gate.closed():
                 future = pool.submit(read)
-                time.sleep(0.2)
-                assert future.done() == alone
-            _, raw = future.result(timeout=10)
+                if alone:
+                    future.result(timeout=PASS_S)
+                else:
+                    time.sleep(0.3)
+                    assert not future.done()
+            _, raw = future.result(timeout=PASS_S)
     assert torch.equal(raw.data, want.data)
-    assert (gate.paused_s > 0.05) != alone
+    assert (gate.paused_s > 0) != alone
 
 
 def test_a_read_in_a_reader_process_checks_the_gate_before_and_after_it(adapter):
@@ -177,12 +193,16 @@ def test_the_managers_reads_pass_its_gate(monkeypatch):
 
     from vllm_loraserve.worker import paged_manager
 
-    got = []
+    got, checkpoints = [], []
+
+    class Gate(ReadGate):
+        def pause(self):
+            checkpoints.append(self._reads)
 
     def read_weights(*args, pause=None, **kwargs):
         gate = manager.read_gate
         got.append((pause, gate._reads if gate else None))
-        raise RuntimeError("stop here")
+        return None, SimpleNamespace(modules={})
 
     monkeypatch.setattr(paged_manager, "read_weights", read_weights)
     manager = paged_manager.PagedWorkerLoRAManager.__new__(
@@ -190,13 +210,14 @@ def test_the_managers_reads_pass_its_gate(monkeypatch):
     manager.lora_config = SimpleNamespace(lora_dtype=torch.float32)
     manager._read_parts = manager._files = None
     request = SimpleNamespace(lora_path="/nowhere", lora_name="a")
-    gates = [ReadGate(), None]
+    gates = [Gate(), None]
     for gate in gates:
         manager.read_gate = gate
-        with pytest.raises(RuntimeError, match="stop here"):
+        with pytest.raises(AttributeError, match="pool"):  # past the read: the layout checks
             manager._read_file(request, lambda n: None)
     assert got == [(gates[0].pause, 1), (None, None)]
-    assert gates[0]._reads == 0  # the failed read no longer counts
+    assert checkpoints == [1]  # the read's last checkpoint, still counted
+    assert gates[0]._reads == 0  # the read no longer counts after it
 
 
 class Manager:
@@ -213,7 +234,7 @@ class Manager:
         return t
 
     def apply_step(self, step, idle=False):
-        self.threads.append(self._probe("apply", 1))
+        self.threads.append(self._probe("apply", PASS_S))
 
     def end_forward(self):
         self.ended.append(self.read_gate._closed_by is None)
@@ -235,10 +256,11 @@ def test_reads_park_during_the_forward_pass_only_if_two_are_under_way(reads):
     with contextlib.ExitStack() as stack:
         for _ in range(reads):
             stack.enter_context(manager.read_gate.reading())
+        window = 0.3 if reads > 1 else PASS_S  # parks, or passes at once
         hooks._run_step(manager, SchedulerOutput(),
-                        lambda: manager.threads.append(manager._probe("forward", 0.3)))
+                        lambda: manager.threads.append(manager._probe("forward", window)))
     for t in manager.threads:
-        t.join(2)
+        t.join(PASS_S)
         assert not t.is_alive()  # it went on once the step ended
     assert manager.seen == {"apply": False, "forward": reads > 1}
     assert manager.ended == [True]  # open again before the forward pass's end

@@ -26,12 +26,12 @@ and an adapter's first request 22-30 ms slower at the median, for nothing
 Invariants:
 - only the engine thread closes the gate (worker/hooks.py), and it never
   reads or waits for a read while the gate is closed (the page decisions,
-  which may, run before it closes). A read's part threads may park, so a
-  read the engine thread waited for under a closed gate would end only
-  once the gate opened;
-- `pause` returns at once on the thread that closed the gate, on any
-  thread while it is open, and while at most one read is under way
-  (`reading`); otherwise when one of these holds;
+  which may, run before it closes). A read's part threads may park, so
+  such a wait would deadlock: `pause` on the thread that closed the gate
+  raises instead (a read's first checkpoint runs on its calling thread);
+- elsewhere `pause` returns at once while the gate is open or at most one
+  read is under way (`reading`), otherwise when one of these holds. A read
+  woken by the gate's opening parks again if it finds it closed anew;
 - a parked read keeps what it holds (its arena extent, its file): it is
   delayed, never failed.
 """
@@ -78,14 +78,17 @@ class ReadGate:
                 self._cond.notify_all()  # a lone read left passes
 
     def _parks(self) -> bool:
-        """(Under _cond.) Whether the calling thread's checkpoint waits."""
-        return self._closed_by not in (None, threading.get_ident()) and self._reads > 1
+        """(Under _cond.) Whether a checkpoint waits."""
+        return self._closed_by is not None and self._reads > 1
 
     def pause(self) -> None:
-        """A read's checkpoint: wait while another thread holds the gate
-        closed and another read is under way."""
+        """A read's checkpoint: wait while the gate is closed and another read
+        is under way."""
         if self._closed_by is None:  # unlocked: a stale view moves one checkpoint
             return
+        if self._closed_by == threading.get_ident():
+            raise RuntimeError("an adapter read on the engine thread inside its forward "
+                               "pass, under the read gate it closed (it could deadlock)")
         t0 = time.perf_counter()
         with self._cond:
             if not self._parks():
