@@ -19,7 +19,7 @@ adds any other plugin flags to them, e.g. `--pool-flags="--loraserve-read-pause 
 `--start-in host` starts the adapters in host memory instead of on disk
 (issue 24): before the replay, the adapters of the trace's first requests
 are prefetched (`POST /loraserve/v1/adapters/{name}/prefetch`) into the host
-tier, one at a time in the order of their first request, until it is full
+tier, four at a time in the order of their first request, until it is full
 (`--host-cache-bytes` sets the plugin configs' tier budget). How many made
 it is in the config's result (`prefetched`).
 
@@ -135,28 +135,38 @@ def grew(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: round(v - before.get(k, 0.0), 6) for k, v in after.items()}
 
 
-def prefetch(client: httpx.Client, trace: str, mapping: dict[str, str],
-             limit_s: float = 120, poll_s: float = 0.2) -> dict:
+def prefetch(client: httpx.Client, trace: str, mapping: dict[str, str], window: int = 4,
+             limit_s: float = 120, poll_s: float = 0.01) -> dict:
     """Fill the host tier (`client`: the server's base URL) with the adapters
-    of the trace's first requests: one at a time, in the order of their first
-    request, each after the last one's read finished, until the tier answers
-    409. An idle server's tier keeps every adapter read since its last step
-    (the prefetch route), so nothing read here is evicted here. Counts of
-    what happened, and how many are in the host tier at the end."""
+    of the trace's first requests, in the order of their first request,
+    `window` at a time (the server's default reader threads), each asked
+    again every `poll_s` while its read is under way (202), until the tier
+    answers 409: then no new one is asked, and those under way are asked
+    until they end. An idle server's tier keeps every adapter read since its
+    last step (the prefetch route), so nothing read here is evicted here.
+    (One at a time with a 0.2 s poll, 196 adapters took 41 s on an H200
+    host, where a read takes about 20 ms.) Counts of what happened, and how
+    many are in the host tier at the end."""
     order: list[str] = []
     with open(trace) as f:
         for line in f:
             if line.strip() and (name := mapping[json.loads(line)["adapter"]]) not in order:
                 order.append(name)
     statuses: dict[str, int] = {}
-    for name in order:
-        deadline = time.monotonic() + limit_s
-        while (status := client.post(f"/loraserve/v1/adapters/{name}/prefetch").status_code) \
-                == 202 and time.monotonic() < deadline:
-            time.sleep(poll_s)
-        statuses[name] = status
-        if status == 409:
+    waiting, deadlines, full = iter(order), {}, False
+    while True:
+        while not full and len(deadlines) < window and (name := next(waiting, None)):
+            deadlines[name] = time.monotonic() + limit_s
+        if not deadlines:
             break
+        for name, deadline in list(deadlines.items()):
+            status = client.post(f"/loraserve/v1/adapters/{name}/prefetch").status_code
+            if status != 202 or time.monotonic() >= deadline:
+                del deadlines[name]
+                statuses[name] = status
+                full |= status == 409
+        if deadlines:
+            time.sleep(poll_s)
     listed = {a["name"]: a for a in
               client.get("/loraserve/v1/adapters").raise_for_status().json()["adapters"]}
     return {"adapters": len(order), "asked": len(statuses),

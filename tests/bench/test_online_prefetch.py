@@ -1,7 +1,7 @@
 """benchmarks/e2e/online_ttft.py without a server: with `--start-in host`,
-the adapters of the trace's first requests are prefetched one at a time, in
-the order of their first request, until the host tier answers 409; the
-pool's counters on /metrics are taken before and after the replay."""
+the adapters of the trace's first requests are prefetched a window at a
+time, in the order of their first request, until the host tier answers 409;
+the pool's counters on /metrics are taken before and after the replay."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import sys
 
 import httpx
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks", "e2e"))
@@ -18,7 +19,14 @@ import online_ttft  # noqa: E402
 sys.path.pop(0)
 
 
-def test_prefetch_in_first_use_order_one_at_a_time_until_the_tier_is_full(tmp_path):
+@pytest.mark.parametrize("window,asked_order", [
+    # First uses: a2, a0, a4, a3, a1; a0 asked until read; a1 not after the 409.
+    (1, ["a2", "a0", "a0", "a0", "a4", "a3"]),
+    # Two at a time: a0's read goes on beside a4's and a3's asks.
+    (2, ["a2", "a0", "a0", "a4", "a0", "a3"]),
+])
+def test_prefetch_in_first_use_order_a_window_at_a_time_until_the_tier_is_full(
+        tmp_path, window, asked_order):
     trace = tmp_path / "trace.jsonl"
     uses = ["r8-2", "r8-0", "r8-2", "r16-1", "r8-0", "r16-0", "r8-1"]
     trace.write_text("".join(json.dumps({"request_id": i, "arrival_s": i, "adapter": a}) + "\n"
@@ -46,9 +54,8 @@ def test_prefetch_in_first_use_order_one_at_a_time_until_the_tier_is_full(tmp_pa
         return httpx.Response(200, json={"state": "host"})
 
     with httpx.Client(base_url="http://127.0.0.1:1", transport=httpx.MockTransport(handler)) as c:
-        counts = online_ttft.prefetch(c, str(trace), mapping, poll_s=0)
-    # First uses: a2, a0, a4, a3, a1; a0 asked until read; a1 not after the 409.
-    assert asked == ["a2", "a0", "a0", "a0", "a4", "a3"]
+        counts = online_ttft.prefetch(c, str(trace), mapping, window=window, poll_s=0)
+    assert asked == asked_order
     assert counts == {"adapters": 5, "asked": 4, "in_host": 2,
                       "by_status": {"200": 2, "400": 1, "409": 1}}
 
