@@ -19,6 +19,10 @@ process.
     python benchmarks/kernels/engine_grid.py --shape llama3-8b --targets all-linear \\
         --tokens 1024,2048 --prefill-chunks 2 --rules split,all64,all16 --out rules.json
 
+`--block-orders rank,slot` times the current kernels with the step's work
+blocks by decreasing rank (kernels/batch.py BLOCK_ORDER, the default) and in
+slot order (before session 38), in one process.
+
 `--prefill-chunks N` puts N prefill chunks of `--chunk-tokens` tokens, each
 of one adapter, in every step beside its power-law decode tokens, as an
 engine step with chunked prefill holds them. `--rules` times the current
@@ -40,6 +44,7 @@ import numpy as np
 import torch
 import triton
 
+from vllm_loraserve.kernels import batch as batch_mod
 from vllm_loraserve.kernels.batch import ModuleSlices
 from vllm_loraserve.paging.layout import LayerLayout, SliceSpec, pack_layer
 from vllm_loraserve.worker.pool import DevicePool
@@ -71,9 +76,10 @@ def slices_of(shape: dict, kinds: tuple[str, ...]) -> tuple[SliceSpec, ...]:
 
 def build(shape: dict, kinds: tuple[str, ...], mix: str, tokens: int, dev: torch.device,
           rule: str = "split", chunks: int = 0, chunk_tokens: int = 256,
-          layer_gb: float = 0.0) -> tuple[DevicePool, int, int]:
+          layer_gb: float = 0.0, order: str = "rank") -> tuple[DevicePool, int, int]:
     """A bound pool holding the mix's adapters, its step set to `tokens`
-    tokens (`chunks` of them prefill chunks of `chunk_tokens` tokens); the
+    tokens (`chunks` of them prefill chunks of `chunk_tokens` tokens), its
+    work blocks in `order` (kernels/batch.py BLOCK_ORDER); the
     bytes of A and B (all layers) of the step's distinct adapters (what its
     kernels must read at least once); their number. `layer_gb`: each layer's
     page tensor at least this large, the adapters' pages scattered over it
@@ -112,6 +118,7 @@ def build(shape: dict, kinds: tuple[str, ...], mix: str, tokens: int, dev: torch
     # Each chunk's adapter drawn the same way; its tokens are consecutive rows.
     chunk_ids = rng.choice(np.arange(1, n + 1), size=chunks, p=w / w.sum())
     ids = np.concatenate([np.repeat(chunk_ids, chunk_tokens), ids]).astype(np.int64)
+    batch_mod.BLOCK_ORDER = order  # the step's batches are filled here
     pool.set_tokens(ids, set())
     step_bytes = sum(layout.weight_elements(placements[i - 1]) for i in set(ids.tolist()))
     return pool, step_bytes * 2 * LAYERS, len(set(ids.tolist()))
@@ -243,6 +250,10 @@ def main() -> None:
                     help="comma-separated worker/pool.py LARGE_RULES to time the current "
                          "kernels under (inputs above SMALL_BATCH rows); the first one is "
                          "the sweep's and the baseline's")
+    ap.add_argument("--block-orders", default="rank",
+                    help="comma-separated kernels/batch.py BLOCK_ORDERs (rank, slot) to time "
+                         "the current kernels under; the first one is the sweep's and the "
+                         "baseline's")
     ap.add_argument("--small-batch", type=int,
                     help="worker/pool.py SMALL_BATCH for this run (0: every input follows "
                          "the rules), to time the rules at any token count")
@@ -266,34 +277,43 @@ def main() -> None:
         pool_mod.SMALL_BATCH = a.small_batch
     if a.tall is not None:
         pool_mod.TALL = a.tall
-    rules = a.rules.split(",")
+    rules, orders = a.rules.split(","), a.block_orders.split(",")
     unknown = set(rules) - set(pool_mod.LARGE_RULES)
     if unknown:
         raise SystemExit(f"unknown rules {sorted(unknown)}: {sorted(pool_mod.LARGE_RULES)}")
-    # (name, backend, rule): the baseline kernels under the first rule, then
-    # the current kernels under each rule.
-    variants = [("baseline", old.TritonBackend(), rules[0])] if old is not None else []
-    variants += [(rule if len(rules) > 1 else "new", mbgmm.TritonBackend(), rule)
-                 for rule in rules]
+    if set(orders) - {"rank", "slot"}:
+        raise SystemExit(f"unknown block orders {orders}: rank, slot")
+    # (name, backend, (rule, block order)): the baseline kernels under the
+    # first of each, then the current kernels under every pair.
+    first = (rules[0], orders[0])
+    variants = [("baseline", old.TritonBackend(), first)] if old is not None else []
+    for rule in rules:
+        for order in orders:
+            name = "-".join(v for v, many in ((rule, len(rules) > 1), (order, len(orders) > 1))
+                            if many) or "new"
+            variants.append((name, mbgmm.TritonBackend(), (rule, order)))
     names = [name for name, _, _ in variants]
     rows = []
     for mix in a.mixes.split(","):
         for t in (int(v) for v in a.tokens.split(",")):
             pools = {}
-            for rule in dict.fromkeys(rules):
-                pools[rule], step_bytes, distinct = build(shape, kinds, mix, t, dev, rule,
-                                                          a.prefill_chunks, a.chunk_tokens)
+            for rule, order in dict.fromkeys(key for _, _, key in variants):
+                pools[rule, order], step_bytes, distinct = build(
+                    shape, kinds, mix, t, dev, rule, a.prefill_chunks, a.chunk_tokens,
+                    order=order)
             row = dict(mix=mix, tokens=t, distinct=distinct, prefill_chunks=a.prefill_chunks,
                        chunk_tokens=a.chunk_tokens,
                        mb_per_layer=round(step_bytes / LAYERS / 1e6, 2))
             for kind in kinds:
                 if a.sweep:
-                    row[kind] = sweep(pools[rules[0]], kind, t, dev, mbgmm, print)
+                    batch_mod.BLOCK_ORDER = first[1]
+                    row[kind] = sweep(pools[first], kind, t, dev, mbgmm, print)
                     continue
                 ys = {}
-                for name, backend, rule in variants:
-                    pools[rule].backend = backend
-                    row[f"{kind}_{name}_us"], ys[name] = time_module(pools[rule], kind, t, dev,
+                for name, backend, key in variants:
+                    pools[key].backend = backend
+                    batch_mod.BLOCK_ORDER = key[1]  # a batch filled while timing follows it
+                    row[f"{kind}_{name}_us"], ys[name] = time_module(pools[key], kind, t, dev,
                                                                      a.eager)
                 for name in names[1:]:
                     row[f"{kind}_{name}_max_abs_diff"] = (
@@ -309,8 +329,8 @@ def main() -> None:
             rows.append(row)
             del pools
             torch.cuda.empty_cache()
-    save(a, peak, rows, rules=rules, eager=a.eager, small_batch=pool_mod.SMALL_BATCH,
-         tall=pool_mod.TALL)
+    save(a, peak, rows, rules=rules, block_orders=orders, eager=a.eager,
+         small_batch=pool_mod.SMALL_BATCH, tall=pool_mod.TALL)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vllm_loraserve.kernels import batch as batch_mod
 from vllm_loraserve.kernels.batch import JOB_ROWS, SlotTable, TokenBatchBuffers
 from vllm_loraserve.paging.layout import LayerLayout, SliceSpec
 
@@ -36,6 +37,13 @@ def test_blocks_cover_every_adapter_token_once_within_the_graph_bound(slots, blo
         assert all(slots[t] == slot for t in tokens)
         covered += tokens.tolist()
     assert sorted(covered) == [t for t, s in enumerate(slots) if s >= 0]
+    # Blocks by decreasing rank (BLOCK_ORDER), a slot's blocks together and in order.
+    block_ranks = [ranks[slot] for slot in blocks[:, 0]]
+    assert block_ranks == sorted(block_ranks, reverse=True)
+    runs = [int(slot) for i, slot in enumerate(blocks[:, 0]) if i == 0 or slot != blocks[i - 1, 0]]
+    assert len(runs) == len(set(runs))
+    assert all(blocks[i, 1] < blocks[i + 1, 1] for i in range(n - 1)
+               if blocks[i, 0] == blocks[i + 1, 0])
     # Jobs: each block's rank rows [0, rank) in JOB_ROWS-row jobs, once each,
     # a job's row carrying its block's (slot, start, length).
     jobs = batch.jobs[:int(batch.num_jobs_dev[0])].numpy()
@@ -47,6 +55,32 @@ def test_blocks_cover_every_adapter_token_once_within_the_graph_bound(slots, blo
                   for i in range(JOB_ROWS) if int(job[3]) + i < ranks[blocks[b][0]])
     assert rows == [(b, r) for b in range(n) for r in range(ranks[blocks[b][0]])]
     assert all(job[3] % JOB_ROWS == 0 and job[3] < ranks[job[0]] for job in jobs)
+
+
+def _program_rows(blocks: np.ndarray, ranks: np.ndarray, programs: int) -> np.ndarray:
+    """Rank rows each program of a grid-stride kernel reads (block b to program b mod P)."""
+    return np.array([ranks[blocks[p::programs, 0]].sum() for p in range(programs)])
+
+
+@pytest.mark.parametrize("order", ["rank", "slot"])
+def test_a_grid_stride_programs_rank_rows_are_within_the_largest_rank_of_each_other(
+        monkeypatch, order):
+    """In rank order every program of a grid-stride launch reads within one
+    block's rank rows of every other (a round-robin over decreasing costs);
+    in slot order (the tokens' grouping) this mix gives one program several
+    times the rows of another, which the launch waits for."""
+    monkeypatch.setattr(batch_mod, "BLOCK_ORDER", order)
+    rng = np.random.default_rng(0)
+    ranks = np.array([8, 16, 32, 64, 128])[rng.integers(0, 5, MAX_SLOTS)]
+    weights = 1.0 / np.arange(1, MAX_SLOTS + 1)
+    slots = rng.choice(MAX_SLOTS, size=MAX_TOKENS, p=weights / weights.sum())
+    batch = TokenBatchBuffers(MAX_TOKENS, MAX_SLOTS, 16, MAX_RANK).fill(slots, ranks)
+    blocks = batch.blocks[:batch.num_blocks].numpy()
+    spreads = [np.ptp(_program_rows(blocks, ranks, p)) for p in (4, 7, 11)]
+    if order == "rank":
+        assert max(spreads) <= ranks.max()
+    else:
+        assert max(spreads) > 2 * ranks.max()
 
 
 def test_a_rank_above_the_buffers_max_is_refused():

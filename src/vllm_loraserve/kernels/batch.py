@@ -148,14 +148,37 @@ JOB_ROWS = 32  # rank rows per shrink job (the shrink's tile height over the ran
 JOB_COLS = 4  # a job's row: its block's (slot, start, length), then its first rank row
 
 
-def _jobs(blocks: np.ndarray, ranks) -> np.ndarray:
+BLOCK_ORDER = "rank"
+"""How a step's work blocks are ordered where their slots' ranks are known
+(`TokenBatchBuffers.fill`, `TokenBatch.build` with ranks): "rank", by
+decreasing rank of their slot (stable: a slot's blocks stay together, in
+order), or "slot", as the tokens group them. The grid-stride kernels (the
+expand, and the shrink without jobs) give block b to program b mod P. Over a
+list of decreasing ranks, each program's rank rows then sum to within the
+largest rank of every other's; in slot order one program may draw several
+rank-128 blocks and another only rank 8s, and a launch lasts as long as its
+heaviest program. benchmarks/kernels/engine_grid.py --block-orders sets it
+for its A/B."""
+
+
+def _rank_array(ranks) -> np.ndarray:
+    return np.asarray(ranks.cpu() if isinstance(ranks, torch.Tensor) else ranks,
+                      dtype=np.int64)
+
+
+def _ordered(blocks: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """`blocks` in BLOCK_ORDER; `ranks[slot]` the rank of the adapter in `slot`."""
+    if BLOCK_ORDER == "slot" or not len(blocks):
+        return blocks
+    return blocks[np.argsort(-ranks[blocks[:, 0]], kind="stable")]
+
+
+def _jobs(blocks: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     """A row per JOB_ROWS rows of each block's slot rank, blocks in order:
     the block's (slot, start, length) and the first of those rank rows
     (the shrink reads the block with the job, not after it). Together they
     cover each block's rank rows exactly once. `ranks[slot]` is the rank of
     the adapter in `slot`."""
-    ranks = np.asarray(ranks.cpu() if isinstance(ranks, torch.Tensor) else ranks,
-                       dtype=np.int64)
     tiles = -(-ranks[blocks[:, 0]] // JOB_ROWS) if len(blocks) else np.zeros(0, np.int64)
     block = np.repeat(np.arange(len(blocks)), tiles)
     first = np.repeat(np.cumsum(tiles) - tiles, tiles)
@@ -207,7 +230,11 @@ class TokenBatch:
         the rank of the adapter in each slot (for the shrink's jobs)."""
         order, blocks = _group_tokens(token_slots, block_m)
         as_t = functools.partial(torch.as_tensor, dtype=torch.int32, device=device)
-        jobs = None if ranks is None else _jobs(blocks, ranks)
+        jobs = None
+        if ranks is not None:
+            ranks = _rank_array(ranks)
+            blocks = _ordered(blocks, ranks)
+            jobs = _jobs(blocks, ranks)
         return cls(len(token_slots), as_t(order), as_t(blocks), as_t([len(blocks)]),
                    len(blocks), block_m, None if jobs is None else as_t(jobs),
                    None if jobs is None else as_t([len(jobs)]))
@@ -272,6 +299,8 @@ class TokenBatchBuffers:
         if len(token_slots) > self.max_tokens:
             raise ValueError(f"{len(token_slots)} tokens > buffer capacity {self.max_tokens}")
         order, blocks = _group_tokens(token_slots, self.block_m)
+        ranks = _rank_array(ranks)
+        blocks = _ordered(blocks, ranks)
         jobs = _jobs(blocks, ranks)
         if len(jobs) and jobs[:, 3].max() >= self.job_tiles * JOB_ROWS:
             raise ValueError("a slot's rank exceeds the max_rank the buffers were made for")
