@@ -5,7 +5,8 @@
 - `TokenBatch`: the step's tokens grouped by slot and cut into work blocks
   of at most `block_m` tokens, one slot per block. Tokens without an adapter
   are in no block, so the kernels never touch them. Where the slots' ranks
-  are known, also the shrink's jobs: one per (block, `JOB_ROWS` rank rows
+  are known, the blocks come by decreasing rank (`BLOCK_ORDER`), and with
+  them the shrink's jobs: one per (block, `JOB_ROWS` rank rows
   of its slot), so its grid follows the sum of the ranks in the step, not
   the largest rank. `TokenBatchBuffers` keeps them in persistent tensors
   for CUDA-graph replay.
