@@ -35,10 +35,11 @@ from vllm_loraserve.kernels import batch as batch_mod
 from vllm_loraserve.kernels.batch import TokenBatchBuffers
 from vllm_loraserve.kernels.triton_mbgmm import PROGRAMS_PER_SM
 
-# (column tiles of the widest slice, slices) of each module kind's expand, 128 columns a tile.
+# Column tiles (128 columns) of each slice of each module kind's expand. Its grid
+# has the widest slice's tiles for every slice; programs past a slice's own do nothing.
 SHAPES = {
-    "llama2-7b": {"qkv": (32, 3), "o": (32, 1)},
-    "llama3-8b": {"qkv": (32, 3), "o": (32, 1), "gate_up": (112, 2), "down": (32, 1)},
+    "llama2-7b": {"qkv": (32, 32, 32), "o": (32,)},
+    "llama3-8b": {"qkv": (32, 8, 8), "o": (32,), "gate_up": (112, 112), "down": (32,)},
 }
 
 
@@ -63,11 +64,16 @@ def case(a: argparse.Namespace, order: str, seed: int) -> dict:
     batch = TokenBatchBuffers(a.tokens, a.adapters, 16, max(a.ranks)).fill(token_slots, ranks)
     blocks = batch.blocks[:batch.num_blocks].numpy()
     tiles = -(-ranks[blocks[:, 0]] // a.rank_step) + a.overhead
+    # The grid's first axis is bounded by the most blocks a step of this many
+    # tokens can have (what its CUDA graph captured), not by this step's.
+    bound = -(-a.tokens // 16) + min(a.tokens, a.adapters)
     out = {"blocks": len(blocks)}
-    for kind, (cols, slices) in SHAPES[a.shape].items():
-        programs = min(len(blocks), triton.cdiv(PROGRAMS_PER_SM * a.sms, cols * slices))
+    for kind, slice_cols in SHAPES[a.shape].items():
+        cols = max(slice_cols)
+        programs = min(bound, triton.cdiv(PROGRAMS_PER_SM * a.sms, cols * len(slice_cols)))
         per = np.array([tiles[p::programs].sum() for p in range(programs)])
-        grid = [float(c) for _ in range(cols * slices) for c in per]
+        grid = [float(c) if col < own else 0.0
+                for own in slice_cols for col in range(cols) for c in per]
         out[kind] = {"programs": programs,
                      "max_over_mean": round(float(per.max() / per.mean()), 3),
                      "makespan_over_ideal": round(

@@ -76,10 +76,10 @@ def slices_of(shape: dict, kinds: tuple[str, ...]) -> tuple[SliceSpec, ...]:
 
 def build(shape: dict, kinds: tuple[str, ...], mix: str, tokens: int, dev: torch.device,
           rule: str = "split", chunks: int = 0, chunk_tokens: int = 256,
-          layer_gb: float = 0.0, order: str = "rank") -> tuple[DevicePool, int, int]:
+          layer_gb: float = 0.0, order: str | None = None) -> tuple[DevicePool, int, int]:
     """A bound pool holding the mix's adapters, its step set to `tokens`
     tokens (`chunks` of them prefill chunks of `chunk_tokens` tokens), its
-    work blocks in `order` (kernels/batch.py BLOCK_ORDER); the
+    work blocks in `order` (kernels/batch.py BLOCK_ORDER; None: as set); the
     bytes of A and B (all layers) of the step's distinct adapters (what its
     kernels must read at least once); their number. `layer_gb`: each layer's
     page tensor at least this large, the adapters' pages scattered over it
@@ -118,7 +118,8 @@ def build(shape: dict, kinds: tuple[str, ...], mix: str, tokens: int, dev: torch
     # Each chunk's adapter drawn the same way; its tokens are consecutive rows.
     chunk_ids = rng.choice(np.arange(1, n + 1), size=chunks, p=w / w.sum())
     ids = np.concatenate([np.repeat(chunk_ids, chunk_tokens), ids]).astype(np.int64)
-    batch_mod.BLOCK_ORDER = order  # the step's batches are filled here
+    if order is not None:
+        batch_mod.BLOCK_ORDER = order  # the step's batches are filled here
     pool.set_tokens(ids, set())
     step_bytes = sum(layout.weight_elements(placements[i - 1]) for i in set(ids.tolist()))
     return pool, step_bytes * 2 * LAYERS, len(set(ids.tolist()))
@@ -277,14 +278,16 @@ def main() -> None:
         pool_mod.SMALL_BATCH = a.small_batch
     if a.tall is not None:
         pool_mod.TALL = a.tall
-    rules, orders = a.rules.split(","), a.block_orders.split(",")
+    rules = list(dict.fromkeys(a.rules.split(",")))
+    orders = list(dict.fromkeys(a.block_orders.split(",")))
     unknown = set(rules) - set(pool_mod.LARGE_RULES)
     if unknown:
         raise SystemExit(f"unknown rules {sorted(unknown)}: {sorted(pool_mod.LARGE_RULES)}")
-    if set(orders) - {"rank", "slot"}:
-        raise SystemExit(f"unknown block orders {orders}: rank, slot")
+    if set(orders) - set(batch_mod.BLOCK_ORDERS):
+        raise SystemExit(f"unknown block orders {orders}: {batch_mod.BLOCK_ORDERS}")
     # (name, backend, (rule, block order)): the baseline kernels under the
-    # first of each, then the current kernels under every pair.
+    # first of each, then the current kernels under every pair. (An A/B of the
+    # orders is --block-orders rank,slot: --baseline's kernels get the first.)
     first = (rules[0], orders[0])
     variants = [("baseline", old.TritonBackend(), first)] if old is not None else []
     for rule in rules:
@@ -297,7 +300,8 @@ def main() -> None:
     for mix in a.mixes.split(","):
         for t in (int(v) for v in a.tokens.split(",")):
             pools = {}
-            for rule, order in dict.fromkeys(key for _, _, key in variants):
+            keys = [first] if a.sweep else dict.fromkeys(key for _, _, key in variants)
+            for rule, order in keys:
                 pools[rule, order], step_bytes, distinct = build(
                     shape, kinds, mix, t, dev, rule, a.prefill_chunks, a.chunk_tokens,
                     order=order)

@@ -37,13 +37,7 @@ def test_blocks_cover_every_adapter_token_once_within_the_graph_bound(slots, blo
         assert all(slots[t] == slot for t in tokens)
         covered += tokens.tolist()
     assert sorted(covered) == [t for t, s in enumerate(slots) if s >= 0]
-    # Blocks by decreasing rank (BLOCK_ORDER), a slot's blocks together and in order.
-    block_ranks = [ranks[slot] for slot in blocks[:, 0]]
-    assert block_ranks == sorted(block_ranks, reverse=True)
-    runs = [int(slot) for i, slot in enumerate(blocks[:, 0]) if i == 0 or slot != blocks[i - 1, 0]]
-    assert len(runs) == len(set(runs))
-    assert all(blocks[i, 1] < blocks[i + 1, 1] for i in range(n - 1)
-               if blocks[i, 0] == blocks[i + 1, 0])
+    _assert_rank_order(blocks, ranks)
     # Jobs: each block's rank rows [0, rank) in JOB_ROWS-row jobs, once each,
     # a job's row carrying its block's (slot, start, length).
     jobs = batch.jobs[:int(batch.num_jobs_dev[0])].numpy()
@@ -57,30 +51,64 @@ def test_blocks_cover_every_adapter_token_once_within_the_graph_bound(slots, blo
     assert all(job[3] % JOB_ROWS == 0 and job[3] < ranks[job[0]] for job in jobs)
 
 
+def _assert_rank_order(blocks: np.ndarray, ranks) -> None:
+    """Blocks by decreasing rank (BLOCK_ORDER), a slot's blocks together and in order."""
+    block_ranks = [ranks[slot] for slot in blocks[:, 0]]
+    assert block_ranks == sorted(block_ranks, reverse=True)
+    runs = [int(slot) for i, slot in enumerate(blocks[:, 0]) if i == 0 or slot != blocks[i - 1, 0]]
+    assert len(runs) == len(set(runs))
+    assert all(blocks[i, 1] < blocks[i + 1, 1] for i in range(len(blocks) - 1)
+               if blocks[i, 0] == blocks[i + 1, 0])
+
+
+def test_blocks_by_decreasing_rank_keep_each_slots_blocks_together_and_in_order():
+    """Slots of several blocks each, and slots of equal rank (the property
+    test above rarely draws either): ties keep the tokens' slot order."""
+    rng = np.random.default_rng(1)
+    ranks = np.array([8, 16, 32, 64, 128] * 5)[:MAX_SLOTS]
+    slots = np.repeat(rng.permutation(MAX_SLOTS), 25)  # 25 tokens a slot: 2 blocks of 16
+    rng.shuffle(slots)
+    batch = TokenBatchBuffers(MAX_TOKENS, MAX_SLOTS, 16, MAX_RANK).fill(slots, ranks)
+    blocks = batch.blocks[:batch.num_blocks].numpy()
+    assert len(blocks) == 2 * MAX_SLOTS
+    _assert_rank_order(blocks, ranks)
+    # Equal ranks: their slots in the tokens' grouping order (ascending slot id).
+    for r in set(ranks.tolist()):
+        firsts = [int(b[0]) for i, b in enumerate(blocks)
+                  if ranks[b[0]] == r and (i == 0 or blocks[i - 1, 0] != b[0])]
+        assert firsts == sorted(firsts)
+
+
+def test_an_unknown_block_order_is_refused(monkeypatch):
+    monkeypatch.setattr(batch_mod, "BLOCK_ORDER", "rnak")
+    with pytest.raises(ValueError, match="BLOCK_ORDER"):
+        TokenBatchBuffers(MAX_TOKENS, MAX_SLOTS, 16, MAX_RANK).fill([0, 1], [8, 8])
+
+
 def _program_rows(blocks: np.ndarray, ranks: np.ndarray, programs: int) -> np.ndarray:
     """Rank rows each program of a grid-stride kernel reads (block b to program b mod P)."""
     return np.array([ranks[blocks[p::programs, 0]].sum() for p in range(programs)])
 
 
-@pytest.mark.parametrize("order", ["rank", "slot"])
+@pytest.mark.parametrize("seed", range(5))
 def test_a_grid_stride_programs_rank_rows_are_within_the_largest_rank_of_each_other(
-        monkeypatch, order):
+        monkeypatch, seed):
     """In rank order every program of a grid-stride launch reads within one
-    block's rank rows of every other (a round-robin over decreasing costs);
-    in slot order (the tokens' grouping) this mix gives one program several
-    times the rows of another, which the launch waits for."""
-    monkeypatch.setattr(batch_mod, "BLOCK_ORDER", order)
-    rng = np.random.default_rng(0)
+    block's rank rows of every other (a round-robin over decreasing costs),
+    and the programs are more even than in slot order (the tokens' grouping),
+    where one may read several times the rows of another."""
+    rng = np.random.default_rng(seed)
     ranks = np.array([8, 16, 32, 64, 128])[rng.integers(0, 5, MAX_SLOTS)]
     weights = 1.0 / np.arange(1, MAX_SLOTS + 1)
     slots = rng.choice(MAX_SLOTS, size=MAX_TOKENS, p=weights / weights.sum())
-    batch = TokenBatchBuffers(MAX_TOKENS, MAX_SLOTS, 16, MAX_RANK).fill(slots, ranks)
-    blocks = batch.blocks[:batch.num_blocks].numpy()
-    spreads = [np.ptp(_program_rows(blocks, ranks, p)) for p in (4, 7, 11)]
-    if order == "rank":
-        assert max(spreads) <= ranks.max()
-    else:
-        assert max(spreads) > 2 * ranks.max()
+    spreads = {}
+    for order in ("rank", "slot"):
+        monkeypatch.setattr(batch_mod, "BLOCK_ORDER", order)
+        batch = TokenBatchBuffers(MAX_TOKENS, MAX_SLOTS, 16, MAX_RANK).fill(slots, ranks)
+        blocks = batch.blocks[:batch.num_blocks].numpy()
+        spreads[order] = [np.ptp(_program_rows(blocks, ranks, p)) for p in (4, 7, 11)]
+    assert max(spreads["rank"]) <= ranks.max()
+    assert sum(spreads["rank"]) < sum(spreads["slot"])
 
 
 def test_a_rank_above_the_buffers_max_is_refused():

@@ -153,13 +153,14 @@ BLOCK_ORDER = "rank"
 """How a step's work blocks are ordered where their slots' ranks are known
 (`TokenBatchBuffers.fill`, `TokenBatch.build` with ranks): "rank", by
 decreasing rank of their slot (stable: a slot's blocks stay together, in
-order), or "slot", as the tokens group them. The grid-stride kernels (the
-expand, and the shrink without jobs) give block b to program b mod P. Over a
-list of decreasing ranks, each program's rank rows then sum to within the
-largest rank of every other's; in slot order one program may draw several
-rank-128 blocks and another only rank 8s, and a launch lasts as long as its
-heaviest program. benchmarks/kernels/engine_grid.py --block-orders sets it
-for its A/B."""
+order), or "slot", as the tokens group them. The expand gives block b to
+program b mod P (the shrink of such a batch runs on its jobs, stream-K, and
+balances itself). Over a list of decreasing ranks, each program's rank rows
+then sum to within the largest rank of every other's, and the heaviest
+blocks start first; in slot order one program may draw several rank-128
+blocks and another only rank 8s, and a launch lasts as long as its heaviest
+program. benchmarks/kernels/engine_grid.py --block-orders sets it for its A/B."""
+BLOCK_ORDERS = ("rank", "slot")
 
 
 def _rank_array(ranks) -> np.ndarray:
@@ -169,6 +170,8 @@ def _rank_array(ranks) -> np.ndarray:
 
 def _ordered(blocks: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     """`blocks` in BLOCK_ORDER; `ranks[slot]` the rank of the adapter in `slot`."""
+    if BLOCK_ORDER not in BLOCK_ORDERS:
+        raise ValueError(f"BLOCK_ORDER {BLOCK_ORDER!r}: one of {BLOCK_ORDERS}")
     if BLOCK_ORDER == "slot" or not len(blocks):
         return blocks
     return blocks[np.argsort(-ranks[blocks[:, 0]], kind="stable")]
