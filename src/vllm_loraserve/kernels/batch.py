@@ -163,11 +163,6 @@ program. benchmarks/kernels/engine_grid.py --block-orders sets it for its A/B.""
 BLOCK_ORDERS = ("rank", "slot")
 
 
-def _rank_array(ranks) -> np.ndarray:
-    return np.asarray(ranks.cpu() if isinstance(ranks, torch.Tensor) else ranks,
-                      dtype=np.int64)
-
-
 def _ordered(blocks: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     """`blocks` in BLOCK_ORDER; `ranks[slot]` the rank of the adapter in `slot`."""
     if BLOCK_ORDER not in BLOCK_ORDERS:
@@ -175,6 +170,14 @@ def _ordered(blocks: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     if BLOCK_ORDER == "slot" or not len(blocks):
         return blocks
     return blocks[np.argsort(-ranks[blocks[:, 0]], kind="stable")]
+
+
+def _ordered_with_jobs(blocks: np.ndarray, ranks) -> tuple[np.ndarray, np.ndarray]:
+    """`blocks` in BLOCK_ORDER and their shrink jobs, given the slots' ranks."""
+    ranks = np.asarray(ranks.cpu() if isinstance(ranks, torch.Tensor) else ranks,
+                       dtype=np.int64)
+    blocks = _ordered(blocks, ranks)
+    return blocks, _jobs(blocks, ranks)
 
 
 def _jobs(blocks: np.ndarray, ranks: np.ndarray) -> np.ndarray:
@@ -236,9 +239,7 @@ class TokenBatch:
         as_t = functools.partial(torch.as_tensor, dtype=torch.int32, device=device)
         jobs = None
         if ranks is not None:
-            ranks = _rank_array(ranks)
-            blocks = _ordered(blocks, ranks)
-            jobs = _jobs(blocks, ranks)
+            blocks, jobs = _ordered_with_jobs(blocks, ranks)
         return cls(len(token_slots), as_t(order), as_t(blocks), as_t([len(blocks)]),
                    len(blocks), block_m, None if jobs is None else as_t(jobs),
                    None if jobs is None else as_t([len(jobs)]))
@@ -303,9 +304,7 @@ class TokenBatchBuffers:
         if len(token_slots) > self.max_tokens:
             raise ValueError(f"{len(token_slots)} tokens > buffer capacity {self.max_tokens}")
         order, blocks = _group_tokens(token_slots, self.block_m)
-        ranks = _rank_array(ranks)
-        blocks = _ordered(blocks, ranks)
-        jobs = _jobs(blocks, ranks)
+        blocks, jobs = _ordered_with_jobs(blocks, ranks)
         if len(jobs) and jobs[:, 3].max() >= self.job_tiles * JOB_ROWS:
             raise ValueError("a slot's rank exceeds the max_rank the buffers were made for")
         self._turn = (self._turn + 1) % len(self._staging)
