@@ -264,3 +264,34 @@ def test_reads_park_during_the_forward_pass_only_if_two_are_under_way(reads):
         assert not t.is_alive()  # it went on once the step ended
     assert manager.seen == {"apply": False, "forward": reads > 1}
     assert manager.ended == [True]  # open again before the forward pass's end
+
+
+@pytest.mark.parametrize("min_reads,reads,parks", [(2, 2, True), (3, 2, False), (3, 3, True),
+                                                    (4, 3, False), (4, 5, True)])
+def test_reads_park_from_min_reads_under_way(min_reads, reads, parks):
+    gate = ReadGate(min_reads)
+    with contextlib.ExitStack() as stack:
+        for _ in range(reads):
+            stack.enter_context(gate.reading())
+        with gate.closed():
+            parked, t, done = _parked(gate, 0.3 if parks else PASS_S)
+            assert parked == parks
+        assert done.wait(PASS_S)
+        t.join()
+
+
+def test_the_configs_gate():
+    """--loraserve-read-pause-reads reaches the gate; 'off' builds none; a
+    gate that parks lone reads is refused by the config and the gate."""
+    from vllm_loraserve.config import LoraServeConfig
+    from vllm_loraserve.worker.read_gate import read_gate_for
+
+    cfg = LoraServeConfig(read_pause_reads=3)
+    gate = read_gate_for(cfg.read_pause, cfg.read_pause_reads)
+    with gate.reading(), gate.reading(), gate.closed():
+        assert not _parked(gate, PASS_S)[0]  # two of three
+    assert read_gate_for("off", 3) is None
+    with pytest.raises(ValueError, match="read_pause_reads must be an integer >= 2"):
+        LoraServeConfig(read_pause_reads=1)
+    with pytest.raises(ValueError, match="at least 2"):
+        ReadGate(1)

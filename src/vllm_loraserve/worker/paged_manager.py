@@ -84,7 +84,7 @@ from vllm_loraserve.worker.host_tier import (
 from vllm_loraserve.worker.pack_tables import TablePacker, file_table
 from vllm_loraserve.worker.paged_layer import PagedLinearLoRA
 from vllm_loraserve.worker.pool import DevicePool
-from vllm_loraserve.worker.read_gate import ReadGate
+from vllm_loraserve.worker.read_gate import read_gate_for
 from vllm_loraserve.worker.report import LoadEvent, PoolCounters, ResidencyReport
 from vllm_loraserve.worker.residency import MAX_BUFFERED_EVENTS, lora_modules
 from vllm_loraserve.worker.step_trace import StepTrace
@@ -179,8 +179,9 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                            "one of its three runs on an H200 stalled, unexplained "
                            "(docs/benchmarks/e2e.md, session 30)")
         # --loraserve-read-pause: reads park while the engine thread launches a
-        # forward pass (worker/hooks.py closes the gate), unless one runs alone.
-        self.read_gate = ReadGate() if cfg.read_pause != "off" else None
+        # forward pass (worker/hooks.py closes the gate), while --loraserve-read-
+        # pause-reads of them are under way.
+        self.read_gate = read_gate_for(cfg.read_pause, cfg.read_pause_reads)
         # Each read splits its file's read and check over these (one reader
         # thread alone reads and checks at ~1.4-1.8 GB/s).
         self._read_parts = None if readers_map else ThreadPoolExecutor(

@@ -1,6 +1,6 @@
 """A gate that parks the host tier's reads while the engine thread launches
 a forward pass, if two or more reads are under way (`--loraserve-read-pause
-forward`).
+forward`; how many: `--loraserve-read-pause-reads`).
 
 The tier's readers run in the engine's process and share its GIL. The
 engine thread retakes the GIL after every torch call, so while reader
@@ -29,8 +29,9 @@ Invariants:
   which may, run before it closes). A read's part threads may park, so
   such a wait would deadlock: `pause` on the thread that closed the gate
   raises instead (a read's first checkpoint runs on its calling thread);
-- elsewhere `pause` returns at once while the gate is open or at most one
-  read is under way (`reading`), otherwise when one of these holds. A read
+- elsewhere `pause` returns at once while the gate is open or fewer than
+  `min_reads` (at least 2) reads are under way (`reading`), otherwise when
+  one of these holds. A read
   woken by the gate's opening parks again if it finds it closed anew;
 - a parked read keeps what it holds (its arena extent, its file): it is
   delayed, never failed.
@@ -45,7 +46,10 @@ from collections.abc import Iterator
 
 
 class ReadGate:
-    def __init__(self) -> None:
+    def __init__(self, min_reads: int = 2) -> None:
+        if min_reads < 2:
+            raise ValueError(f"min_reads must be at least 2 (a lone read passes), got {min_reads}")
+        self._min_reads = min_reads
         self._cond = threading.Condition(threading.Lock())
         self._closed_by: int | None = None  # the thread holding it closed
         self._reads = 0  # reads under way (`reading`)
@@ -54,7 +58,7 @@ class ReadGate:
     @contextlib.contextmanager
     def closed(self) -> Iterator[None]:
         """Reads park at their next checkpoint until this block ends, while
-        two or more are under way."""
+        `min_reads` or more are under way."""
         with self._cond:
             self._closed_by = threading.get_ident()
         try:
@@ -75,15 +79,15 @@ class ReadGate:
         finally:
             with self._cond:
                 self._reads -= 1
-                self._cond.notify_all()  # a lone read left passes
+                self._cond.notify_all()  # the reads left may be too few to park
 
     def _parks(self) -> bool:
         """(Under _cond.) Whether a checkpoint waits."""
-        return self._closed_by is not None and self._reads > 1
+        return self._closed_by is not None and self._reads >= self._min_reads
 
     def pause(self) -> None:
-        """A read's checkpoint: wait while the gate is closed and another read
-        is under way."""
+        """A read's checkpoint: wait while the gate is closed and `min_reads`
+        reads (this one among them) are under way."""
         if self._closed_by is None:  # unlocked: a stale view moves one checkpoint
             return
         if self._closed_by == threading.get_ident():
@@ -95,3 +99,9 @@ class ReadGate:
                 return
             self._cond.wait_for(lambda: not self._parks())
             self.paused_s += time.perf_counter() - t0
+
+
+def read_gate_for(read_pause: str, read_pause_reads: int) -> ReadGate | None:
+    """The gate of `--loraserve-read-pause` and `--loraserve-read-pause-reads`
+    (None with 'off')."""
+    return None if read_pause == "off" else ReadGate(read_pause_reads)
