@@ -61,9 +61,9 @@ def sweep(op: str, cases: list[Case], tiles: dict | None, log) -> list[dict]:
         base = backend_from(tiles)
         if kind == "shrink":
             backend = TritonBackend(shrink_tiles=lambda b, k, t=cand: t,
-                                    expand_tiles=base._expand_tiles)
+                                    expand_tiles=base._rules["expand"])
         else:
-            backend = TritonBackend(shrink_tiles=base._shrink_tiles,
+            backend = TritonBackend(shrink_tiles=base._rules["shrink"],
                                     expand_tiles=lambda b, t=cand: t)
         row = {"op": op, "tiles": cand.__dict__, "us": {}}
         try:

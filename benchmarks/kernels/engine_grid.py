@@ -17,6 +17,10 @@ process.
     python benchmarks/kernels/engine_grid.py --shape llama3-8b --targets all-linear \\
         --sweep --out sweep.json     # coordinate search over tiles, per module kind
     python benchmarks/kernels/engine_grid.py --shape llama3-8b --targets all-linear \\
+        --mixes pow-200 --tokens 64,1024 --sweep --tiles-out tiles.json --out sweep.json
+        # its picks as a table for `vllm serve ... --loraserve-tiles tiles.json`;
+        # `--tiles tiles.json` times a table beside the rules
+    python benchmarks/kernels/engine_grid.py --shape llama3-8b --targets all-linear \\
         --tokens 1024,2048 --prefill-chunks 2 --rules split,all64,all16 --out rules.json
 
 `--block-orders rank,slot` times the current kernels with the step's work
@@ -46,6 +50,7 @@ import triton
 
 from vllm_loraserve.kernels import batch as batch_mod
 from vllm_loraserve.kernels.batch import ModuleSlices
+from vllm_loraserve.kernels.tile_table import TileTable, check_tiles, table_row
 from vllm_loraserve.paging.layout import LayerLayout, SliceSpec, pack_layer
 from vllm_loraserve.worker.pool import DevicePool
 
@@ -192,36 +197,48 @@ def load_module(path: str, name: str):
     return mod
 
 
-# The sweep's candidates: a coordinate search over these, shrink first (with
-# the default expand), then expand (with the best shrink).
-SHRINK_AXES = dict(block_n=(16, 32, 64, 128), block_k=(64, 128, 256),
+# The sweep's candidates: a coordinate search over these, from the rules'
+# picks: the shrink first (the stream-K shrink where the step has jobs, as the
+# pool's steps do; the split-K one otherwise), then the expand (with the best
+# shrink). Candidates `check_tiles` refuses are skipped.
+SHRINK_AXES = dict(block_n=(16, 32, 64, 128), block_k=(64, 128),
                    split_k=(1, 2, 4, 8, 16), num_warps=(4, 8), num_stages=(2, 3, 4))
-EXPAND_AXES = dict(block_n=(32, 64, 128, 256), block_k=(16, 32, 128),
-                   num_warps=(4, 8), num_stages=(2, 3, 4))
+STREAM_AXES = dict(block_k=(32, 64, 128), num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4),
+                   max_regs=(0, 32, 48, 64))
+EXPAND_AXES = dict(block_n=(32, 64, 128), block_k=(16, 32, 64),
+                   num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4))
 
 
-def sweep(pool, kind, tokens, dev, mbgmm, log) -> dict:
-    """Coordinate descent over each axis in turn, once, from the defaults."""
+def sweep(pool, kind, tokens, dev, mbgmm, log, table_rows: dict | None = None) -> dict:
+    """Coordinate descent over each axis in turn, once, from the rules'
+    tiles; the picks go into `table_rows` (a tile table's entries) if given."""
     batches = pool._batches_for(tokens)
     if len(batches) != 1:
         raise SystemExit("the sweep times one batching: name one rule (--rules all16 or all64)")
     probe = batches[0]
     m = ModuleSlices.of(pool.layout, MODULES[kind])
-    best = {"shrink": mbgmm.shrink_tiles(probe, m.in_features),
+    shrink = "stream" if probe.jobs is not None else "shrink"
+    best = {shrink: getattr(mbgmm, f"{shrink}_tiles")(probe, m.in_features),
             "expand": mbgmm.expand_tiles(probe, max(m.out_features))}
-    if best["shrink"].split_k == 0:
-        best["shrink"] = mbgmm.Tiles(**{**best["shrink"].__dict__, "split_k": 1})
+    if best[shrink].split_k == 0:
+        best[shrink] = mbgmm.Tiles(**{**best[shrink].__dict__, "split_k": 1})
+
     def run(tiles):
-        pool.backend = mbgmm.TritonBackend(shrink_tiles=lambda b, k: tiles["shrink"],
-                                           expand_tiles=lambda b, n: tiles["expand"])
+        pool.backend = mbgmm.TritonBackend(**{f"{op}_tiles": lambda b, size, t=t: t
+                                              for op, t in tiles.items()})
         return time_module(pool, kind, tokens, dev)
 
     best_us, ref = run(best)
-    for op, axes in (("shrink", SHRINK_AXES), ("expand", EXPAND_AXES)):
-        for axis, values in axes.items():
+    axes_of = {"shrink": SHRINK_AXES, "stream": STREAM_AXES, "expand": EXPAND_AXES}
+    for op in (shrink, "expand"):
+        for axis, values in axes_of[op].items():
             for v in values:
                 cand = dict(best)
                 cand[op] = mbgmm.Tiles(**{**best[op].__dict__, axis: v})
+                try:
+                    check_tiles(op, cand[op])
+                except ValueError:
+                    continue
                 if cand[op] == best[op]:
                     continue
                 try:
@@ -234,8 +251,14 @@ def sweep(pool, kind, tokens, dev, mbgmm, log) -> dict:
                     raise AssertionError(f"{op} {cand[op]}: max diff {err}")
                 if us < best_us:
                     best, best_us = cand, us
-    return dict(us=round(best_us, 2), shrink=best["shrink"].__dict__,
-                expand=best["expand"].__dict__)
+    if table_rows is not None:
+        try:
+            for op, size in ((shrink, m.in_features), ("expand", max(m.out_features))):
+                table_row(table_rows, op, probe.max_blocks, probe.block_m, size, m.count,
+                          best[op])
+        except ValueError as e:
+            raise SystemExit(f"--tiles-out: {e}") from e
+    return dict(us=round(best_us, 2), **{op: t.__dict__ for op, t in best.items()})
 
 
 def main() -> None:
@@ -247,6 +270,13 @@ def main() -> None:
     ap.add_argument("--baseline", help="a triton_mbgmm.py to compare with")
     ap.add_argument("--sweep", action="store_true",
                     help="search tiles per module kind, mix and token count")
+    ap.add_argument("--tiles-out",
+                    help="with --sweep: write its picks as a tile table (--loraserve-tiles); "
+                         "one mix, and one token count per batch class (kernels/"
+                         "tile_table.py batch_class)")
+    ap.add_argument("--tiles",
+                    help="a tile table (--tiles-out, --loraserve-tiles) to time beside the "
+                         "rules, under the first rule and block order")
     ap.add_argument("--rules", default="split",
                     help="comma-separated worker/pool.py LARGE_RULES to time the current "
                          "kernels under (inputs above SMALL_BATCH rows); the first one is "
@@ -266,6 +296,8 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.tiles_out and not a.sweep:
+        raise SystemExit("--tiles-out writes a sweep's picks: add --sweep")
     from vllm_loraserve.kernels import triton_mbgmm as mbgmm
     from vllm_loraserve.worker import pool as pool_mod
 
@@ -295,8 +327,10 @@ def main() -> None:
             name = "-".join(v for v, many in ((rule, len(rules) > 1), (order, len(orders) > 1))
                             if many) or "new"
             variants.append((name, mbgmm.TritonBackend(), (rule, order)))
+    if a.tiles:
+        variants.append(("table", mbgmm.TritonBackend(table=TileTable.load(a.tiles)), first))
     names = [name for name, _, _ in variants]
-    rows = []
+    rows, table_rows = [], {} if a.tiles_out else None
     for mix in a.mixes.split(","):
         for t in (int(v) for v in a.tokens.split(",")):
             pools = {}
@@ -311,7 +345,7 @@ def main() -> None:
             for kind in kinds:
                 if a.sweep:
                     batch_mod.BLOCK_ORDER = first[1]
-                    row[kind] = sweep(pools[first], kind, t, dev, mbgmm, print)
+                    row[kind] = sweep(pools[first], kind, t, dev, mbgmm, print, table_rows)
                     continue
                 ys = {}
                 for name, backend, key in variants:
@@ -335,6 +369,11 @@ def main() -> None:
             torch.cuda.empty_cache()
     save(a, peak, rows, rules=rules, block_orders=orders, eager=a.eager,
          small_batch=pool_mod.SMALL_BATCH, tall=pool_mod.TALL)
+    if a.tiles_out:
+        table = TileTable(torch.cuda.get_device_name(), triton.__version__, table_rows)
+        with open(a.tiles_out, "w") as f:
+            f.write(table.to_json())
+        print(f"tile table: {len(table_rows)} entries -> {a.tiles_out}", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ ADDITIONAL_CONFIG_KEY = "loraserve"
 # graph, and their caches must not be taken for each other's.
 COMPILE_FIELDS = ("pool", "kernel", "max_slots", "model_runner")
 RUNTIME_FIELDS = ("adapter_dirs", "allowed_roots", "host_cache_bytes", "read_threads", "read_in",
-                  "read_pause", "read_pause_reads", "pack",
+                  "read_pause", "read_pause_reads", "pack", "tiles",
                   "cold_start", "cold_start_group_layers", "cpu_assist_workers")
 
 
@@ -165,6 +165,16 @@ class LoraServeConfig:
         flag="--loraserve-kernel",
         choices=("auto", "triton", "torch"),
     )
+    tiles: str = _opt(
+        "",
+        "A tile table for the triton kernels (JSON), tuned before serving on "
+        "the GPU that serves: benchmarks/kernels/engine_grid.py --sweep "
+        "--tiles-out writes one for a model's shapes. Its tiles replace the "
+        "built-in rules where it has an entry, and are compiled at start-up "
+        "like them. '': the rules (tuned on an H200 at the Llama-2-7B and "
+        "Llama-3-8B shapes). A table from another GPU is used, with a warning.",
+        flag="--loraserve-tiles",
+    )
     cold_start: str = _opt(
         "auto",
         "How a request starts whose adapter is not in the paged pool yet (its "
@@ -220,6 +230,13 @@ class LoraServeConfig:
                 name, 1)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"loraserve.{name} must be an integer >= {low}, got {value!r}")
+
+        if not isinstance(self.tiles, str):
+            raise ValueError(f"loraserve.tiles must be a path, got {self.tiles!r}")
+        if self.tiles:
+            from vllm_loraserve.kernels.tile_table import TileTable
+
+            TileTable.load(self.tiles)  # a bad table stops the start, with its reason
 
     def host_budget(self) -> int:
         """`host_cache_bytes`, with 0 resolved against this machine's memory."""

@@ -165,7 +165,8 @@ def test_warm_up_launches_every_variant_serving_launches(monkeypatch):
 
         def expand(self, h, pool, y, batch, slots, module, layout):
             launched.append(("expand", module, batch.block_m,
-                             self._expand_tiles(batch, max(module.out_features))))
+                             self._tiles("expand", batch, max(module.out_features),
+                                         module.count)))
 
         def page_writer(self, pages):
             def write(page_ids, streams):

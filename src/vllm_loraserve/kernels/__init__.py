@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from vllm_loraserve.kernels.batch import ModuleSlices, SlotTable, TokenBatch
+from vllm_loraserve.kernels.tile_table import TileTable
 from vllm_loraserve.paging.layout import LayerLayout
 
 PageWriter = Callable[[torch.Tensor, torch.Tensor], None]
@@ -82,12 +83,18 @@ BACKENDS = {
 }
 
 
-def get_backend(name: str) -> KernelBackend:
-    """A backend instance by name (imported lazily: triton is optional)."""
+def get_backend(name: str, tiles: TileTable | None = None) -> KernelBackend:
+    """A backend instance by name (imported lazily: triton is optional);
+    `tiles`: a tuned tile table (kernels/tile_table.py), for `triton` only."""
     if name not in BACKENDS:
         raise ValueError(f"unknown LoRA kernel backend {name!r}; choose from {sorted(BACKENDS)}")
     module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
+    backend = getattr(importlib.import_module(module), cls)
+    if tiles is None:
+        return backend()
+    if name != "triton":
+        raise ValueError(f"a tile table tunes the triton kernels; this pool runs {name!r}")
+    return backend(table=tiles)
 
 
 def make_batch(token_slots: Sequence[int] | np.ndarray, device: torch.device | str = "cpu",

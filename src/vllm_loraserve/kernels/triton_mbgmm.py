@@ -31,6 +31,7 @@ import triton.language as tl
 
 from vllm_loraserve.kernels.batch import JOB_COLS, JOB_ROWS, ModuleSlices, SlotTable, TokenBatch
 from vllm_loraserve.kernels.launch import Launcher
+from vllm_loraserve.kernels.tile_table import Tiles, TileTable
 from vllm_loraserve.paging.layout import LayerLayout
 
 
@@ -313,19 +314,6 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 WRITE_BLOCK = 4096  # elements a program copies
 
 
-@dataclass(frozen=True)
-class Tiles:
-    """Shrink: rank rows (block_n) by input columns (block_k) per step.
-    Expand: output columns (block_n) by rank rows (block_k) per step."""
-
-    block_n: int
-    block_k: int
-    split_k: int = 0  # shrink only; 0: chosen per launch by `auto_split_k`
-    num_warps: int = 4
-    num_stages: int = 2
-    max_regs: int = 0  # registers per thread (Triton's maxnreg) on CUDA; 0: the compiler's
-
-
 def shrink_tiles(batch: TokenBatch, k: int) -> Tiles:
     """Few tokens per block (decode) or many (prefill); `k`: input columns.
     Chosen by `benchmarks/kernels/engine_grid.py --sweep` on an H200 at the
@@ -435,17 +423,24 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, shrink_tiles=shrink_tiles, expand_tiles=expand_tiles,
-                 grad_tiles=grad_tiles, stream_tiles=stream_tiles) -> None:
+                 grad_tiles=grad_tiles, stream_tiles=stream_tiles,
+                 table: TileTable | None = None) -> None:
         """The tile functions must depend on a batch's `block_m` and
         `max_blocks` only (and the size given): a shrink's launch is kept per
-        those, since every layer's shrink and expand of a step ask for it."""
-        self._shrink_tiles, self._expand_tiles = shrink_tiles, expand_tiles
-        self._stream_tiles = stream_tiles
+        those, since every layer's shrink and expand of a step ask for it.
+        `table`: tuned tiles (kernels/tile_table.py), before the functions."""
+        self._rules = {"shrink": shrink_tiles, "stream": stream_tiles, "expand": expand_tiles}
+        self._table = table
         self._grad_tiles = grad_tiles
         self._launches: dict[tuple, tuple[Tiles, int, tuple[int, int, int]]] = {}
         # Launch plans of the serving path's kernels, by what fixes their grid
         # and compile-time arguments (a few per module kind and batch shape).
         self._plans: dict[tuple, Any] = {}
+
+    def _tiles(self, op: str, batch: TokenBatch, size: int, count: int) -> Tiles:
+        """The table's tiles for this launch, else the op's rule's."""
+        tuned = self._table and self._table.get(op, batch.max_blocks, batch.block_m, size, count)
+        return tuned or self._rules[op](batch, size)
 
     def _bound_plans(self) -> None:
         """Serving needs a few plans per module kind and batch shape; eager
@@ -485,7 +480,7 @@ class TritonBackend:
         key = (batch.block_m, batch.max_blocks, max_rank, k, count, device)
         launch = self._launches.get(key)
         if launch is None:
-            t = self._shrink_tiles(batch, k)
+            t = self._tiles("shrink", batch, k, count)
             rank_blocks = triton.cdiv(max_rank, t.block_n)
             split_k = t.split_k or auto_split_k(k, t.block_k,
                                                 batch.max_blocks * rank_blocks * count, device)
@@ -530,7 +525,7 @@ class TritonBackend:
         launch = self._plans.get(key)
         if launch is None:
             self._bound_plans()
-            t = self._stream_tiles(batch, k)
+            t = self._tiles("stream", batch, k, count)
             if t.block_n != JOB_ROWS:
                 raise ValueError(f"stream tiles of {t.block_n} rank rows for jobs of {JOB_ROWS}")
             _check_panel(layout, t.block_k)
@@ -568,7 +563,7 @@ class TritonBackend:
         if plan is None:
             self._bound_plans()
             n_max = max(n for n, _ in desc_rows)
-            t = self._expand_tiles(batch, n_max)
+            t = self._tiles("expand", batch, n_max, len(desc_rows))
             _check_panel(layout, t.block_n)
             col_blocks = triton.cdiv(n_max, t.block_n)
             grid = (block_programs(batch.max_blocks, col_blocks * len(desc_rows), y.device),
@@ -599,11 +594,13 @@ class TritonBackend:
         zero_next = torch.zeros(16, dtype=torch.float32, device=h.device)
         for batch in batches:
             if batch.jobs is not None:  # the stream shrink; the expand reads a zeroed h
-                shrink = ("stream", self._stream_tiles(batch, module.in_features))
+                shrink = ("stream", self._tiles("stream", batch, module.in_features,
+                                                module.count))
             else:
                 shrink = self._shrink_launch(batch, slots.max_rank, module.in_features,
                                              module.count, x.device)[:2]
-            key = (batch.block_m, shrink, self._expand_tiles(batch, max(module.out_features)))
+            key = (batch.block_m, shrink,
+                   self._tiles("expand", batch, max(module.out_features), module.count))
             if key not in seen:
                 seen.add(key)
                 self.shrink(x, pool, h, batch, slots, module, layout, zero_next=zero_next)

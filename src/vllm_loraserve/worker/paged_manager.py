@@ -65,6 +65,7 @@ from vllm_loraserve._patching import overlay
 from vllm_loraserve.adapters.peft import read_weights, short_name
 from vllm_loraserve.config import LoraServeConfig
 from vllm_loraserve.kernels.batch import ModuleSlices
+from vllm_loraserve.kernels.tile_table import TileTable
 from vllm_loraserve.paging.layout import pack_layers, warm_up_pack
 from vllm_loraserve.paging.model import max_file_bytes, model_layout, module_slice_names
 from vllm_loraserve.paging.step import TRANSIENT_NOTE, PageLoad, PoolReport, PoolStep, Prefetch
@@ -251,7 +252,8 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         self.pool = DevicePool(layout.slices, self.num_layers, self.lora_config.max_lora_rank,
                                self.max_num_batched_tokens, self.cfg.max_slots,
                                max(ms.count for _, _, ms in layers), backend,
-                               torch.device(self.device), layer_groups=groups)
+                               torch.device(self.device), layer_groups=groups,
+                               tiles=self._tile_table())
         if mode != "block":
             self.cold = ColdStart(mode, self.pool, torch.device(self.device), self._side,
                                   self._device_streams, self._fail_load, self._cold_loaded,
@@ -447,6 +449,21 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         evictions, and the adapters and adapter bytes of all steps' tokens."""
         return (self.page_loads, self.page_evictions, self.pool.adapter_step_adapters,
                 self.pool.adapter_step_bytes)
+
+    def _tile_table(self) -> TileTable | None:
+        """--loraserve-tiles, said in the log, with where it was tuned."""
+        if not self.cfg.tiles:
+            return None
+        table = TileTable.load(self.cfg.tiles)
+        here = torch.cuda.get_device_name(self.device) \
+            if torch.device(self.device).type == "cuda" else "cpu"
+        logger.info("vllm-loraserve tiles: %d entries from %s (tuned on %s, Triton %s)",
+                    len(table.entries), self.cfg.tiles, table.device, table.triton)
+        if table.device != here:
+            logger.warning("vllm-loraserve: the tile table %s was tuned on %s, and this is %s: "
+                           "its tiles may not be the best here", self.cfg.tiles, table.device,
+                           here)
+        return table
 
     @property
     def force_eager(self) -> bool:

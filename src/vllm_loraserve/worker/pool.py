@@ -44,6 +44,7 @@ import torch
 
 from vllm_loraserve.kernels import SlotTable, get_backend
 from vllm_loraserve.kernels.batch import ModuleSlices, TokenBatch, TokenBatchBuffers
+from vllm_loraserve.kernels.tile_table import TileTable
 from vllm_loraserve.paging.layout import AdapterPlacement, LayerLayout, SliceSpec
 
 # The split rule's thresholds, from engine_grid.py on an H200 (Llama-3-8B
@@ -114,14 +115,14 @@ class DevicePool:
     def __init__(self, slices: tuple[SliceSpec, ...], num_layers: int, max_rank: int,
                  max_tokens: int, max_slots: int, max_slices: int, backend: str,
                  device: torch.device, large_rule: str = "split",
-                 layer_groups: tuple[range, ...] = ()) -> None:
+                 layer_groups: tuple[range, ...] = (), tiles: TileTable | None = None) -> None:
         """`layer_groups`: the layer ranges `write_group` writes (none: every
-        load writes all layers at once)."""
+        load writes all layers at once); `tiles`: the kernels' tuned tiles."""
         self.slices, self.num_layers, self.max_rank = slices, num_layers, max_rank
         self.layer_groups = layer_groups
         self.gate: LayerGate | None = None
         self.device, self.max_slots = device, max_slots
-        self.backend = get_backend(backend)
+        self.backend = get_backend(backend, tiles)
         self.layout: LayerLayout | None = None
         self.table: SlotTable | None = None
         # The shrinks' output h: two buffers in turn, each token-major ([tokens,
