@@ -50,7 +50,7 @@ import triton
 
 from vllm_loraserve.kernels import batch as batch_mod
 from vllm_loraserve.kernels.batch import ModuleSlices
-from vllm_loraserve.kernels.tile_table import TileTable, check_tiles, table_row
+from vllm_loraserve.kernels.tile_table import TileTable, batch_class, check_tiles
 from vllm_loraserve.paging.layout import LayerLayout, SliceSpec, pack_layer
 from vllm_loraserve.worker.pool import DevicePool
 
@@ -198,30 +198,41 @@ def load_module(path: str, name: str):
 
 
 # The sweep's candidates: a coordinate search over these, from the rules'
-# picks: the shrink first (the stream-K shrink where the step has jobs, as the
-# pool's steps do; the split-K one otherwise), then the expand (with the best
-# shrink). Candidates `check_tiles` refuses are skipped.
-SHRINK_AXES = dict(block_n=(16, 32, 64, 128), block_k=(64, 128),
-                   split_k=(1, 2, 4, 8, 16), num_warps=(4, 8), num_stages=(2, 3, 4))
+# picks: the stream-K shrink first (the pool's steps carry jobs), then the
+# expand (with the best shrink). Candidates `check_tiles` refuses are skipped.
 STREAM_AXES = dict(block_k=(32, 64, 128), num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4),
                    max_regs=(0, 32, 48, 64))
 EXPAND_AXES = dict(block_n=(32, 64, 128), block_k=(16, 32, 64),
                    num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4))
 
 
-def sweep(pool, kind, tokens, dev, mbgmm, log, table_rows: dict | None = None) -> dict:
-    """Coordinate descent over each axis in turn, once, from the rules'
-    tiles; the picks go into `table_rows` (a tile table's entries) if given."""
+def probe_batch(pool, tokens):
+    """The one batch the pool runs for `tokens` tokens, which the sweep times."""
     batches = pool._batches_for(tokens)
     if len(batches) != 1:
         raise SystemExit("the sweep times one batching: name one rule (--rules all16 or all64)")
-    probe = batches[0]
+    if batches[0].jobs is None:
+        raise SystemExit("the sweep times the pool's path: its batches carry jobs")
+    return batches[0]
+
+
+def sweep(pool, kind, tokens, dev, mbgmm, log, table_rows: dict | None = None) -> dict:
+    """Coordinate descent over each axis in turn, once, from the rules'
+    tiles; the picks go into `table_rows` (a tile table's entries) if given.
+    An expand whose key another kind's sweep already picked for (o_proj's
+    and down_proj's are the same launch) keeps that pick."""
+    probe = probe_batch(pool, tokens)
     m = ModuleSlices.of(pool.layout, MODULES[kind])
-    shrink = "stream" if probe.jobs is not None else "shrink"
-    best = {shrink: getattr(mbgmm, f"{shrink}_tiles")(probe, m.in_features),
+    keys = {"stream": ("stream", batch_class(probe.max_blocks, probe.block_m), m.in_features,
+                       m.count),
+            "expand": ("expand", batch_class(probe.max_blocks, probe.block_m),
+                       max(m.out_features), m.count)}
+    best = {"stream": mbgmm.stream_tiles(probe, m.in_features),
             "expand": mbgmm.expand_tiles(probe, max(m.out_features))}
-    if best[shrink].split_k == 0:
-        best[shrink] = mbgmm.Tiles(**{**best[shrink].__dict__, "split_k": 1})
+    swept = [op for op in best if table_rows is None or keys[op] not in table_rows]
+    for op in best:
+        if op not in swept:
+            best[op] = table_rows[keys[op]]
 
     def run(tiles):
         pool.backend = mbgmm.TritonBackend(**{f"{op}_tiles": lambda b, size, t=t: t
@@ -229,8 +240,8 @@ def sweep(pool, kind, tokens, dev, mbgmm, log, table_rows: dict | None = None) -
         return time_module(pool, kind, tokens, dev)
 
     best_us, ref = run(best)
-    axes_of = {"shrink": SHRINK_AXES, "stream": STREAM_AXES, "expand": EXPAND_AXES}
-    for op in (shrink, "expand"):
+    axes_of = {"stream": STREAM_AXES, "expand": EXPAND_AXES}
+    for op in swept:
         for axis, values in axes_of[op].items():
             for v in values:
                 cand = dict(best)
@@ -252,13 +263,9 @@ def sweep(pool, kind, tokens, dev, mbgmm, log, table_rows: dict | None = None) -
                 if us < best_us:
                     best, best_us = cand, us
     if table_rows is not None:
-        try:
-            for op, size in ((shrink, m.in_features), ("expand", max(m.out_features))):
-                table_row(table_rows, op, probe.max_blocks, probe.block_m, size, m.count,
-                          best[op])
-        except ValueError as e:
-            raise SystemExit(f"--tiles-out: {e}") from e
-    return dict(us=round(best_us, 2), **{op: t.__dict__ for op, t in best.items()})
+        for op in swept:
+            table_rows[keys[op]] = best[op]
+    return dict(us=round(best_us, 2), swept=swept, **{op: t.__dict__ for op, t in best.items()})
 
 
 def main() -> None:
@@ -296,8 +303,10 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    if a.tiles_out and not a.sweep:
-        raise SystemExit("--tiles-out writes a sweep's picks: add --sweep")
+    if a.tiles_out and (not a.sweep or "," in a.mixes):
+        raise SystemExit("--tiles-out writes a sweep's picks: add --sweep, and name one mix")
+    if a.tiles and a.sweep:
+        raise SystemExit("--tiles times a table beside the rules; the sweep times its own")
     from vllm_loraserve.kernels import triton_mbgmm as mbgmm
     from vllm_loraserve.worker import pool as pool_mod
 
@@ -330,7 +339,7 @@ def main() -> None:
     if a.tiles:
         variants.append(("table", mbgmm.TritonBackend(table=TileTable.load(a.tiles)), first))
     names = [name for name, _, _ in variants]
-    rows, table_rows = [], {} if a.tiles_out else None
+    rows, table_rows, classes = [], {} if a.tiles_out else None, {}
     for mix in a.mixes.split(","):
         for t in (int(v) for v in a.tokens.split(",")):
             pools = {}
@@ -339,6 +348,13 @@ def main() -> None:
                 pools[rule, order], step_bytes, distinct = build(
                     shape, kinds, mix, t, dev, rule, a.prefill_chunks, a.chunk_tokens,
                     order=order)
+            if a.tiles_out:  # one token count per batch class: its picks are the class's
+                probe = probe_batch(pools[first], t)
+                cls = batch_class(probe.max_blocks, probe.block_m)
+                if cls in classes:
+                    raise SystemExit(f"--tiles-out: {t} and {classes[cls]} tokens are both "
+                                     f"batch class {cls!r}: sweep one token count per class")
+                classes[cls] = t
             row = dict(mix=mix, tokens=t, distinct=distinct, prefill_chunks=a.prefill_chunks,
                        chunk_tokens=a.chunk_tokens,
                        mb_per_layer=round(step_bytes / LAYERS / 1e6, 2))

@@ -231,6 +231,11 @@ class LoraServeConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"loraserve.{name} must be an integer >= {low}, got {value!r}")
 
+        # The default (2) stands with one reader thread: a lone read passes anyway.
+        if self.read_pause == "forward" and self.read_pause_reads > max(2, self.read_threads):
+            raise ValueError(f"loraserve.read_pause_reads ({self.read_pause_reads}) must be at "
+                             f"most read_threads ({self.read_threads}): no more reads run "
+                             f"at once, so the gate would never park")
         if not isinstance(self.tiles, str):
             raise ValueError(f"loraserve.tiles must be a path, got {self.tiles!r}")
         if self.tiles:

@@ -306,33 +306,36 @@ def test_persistent_buffers_refilled_with_a_smaller_batch(backend):
 
 
 def test_a_tile_table_replaces_the_rules_where_it_has_an_entry():
-    """--loraserve-tiles: the table's tiles launch for the keys it holds (the
-    qkv module here), the rules' for the rest (o), and both give dense math."""
+    """--loraserve-tiles: the table's tiles launch for the keys it holds
+    (qkv's expand, o's shrink), the rules' for every other (qkv's shrink: the
+    same K as o's, another slice count; down's shrink: o's slice count,
+    another K), and every module still gives dense math."""
     from vllm_loraserve.kernels.tile_table import TileTable, batch_class
 
     sc = Scenario(3, torch.float32)
     rng = random.Random(3)
     token_slots = sc.token_slots(rng, 21)
     batch = make_batch(token_slots, ranks=sc.slots.rank)
-    qkv = ModuleSlices.of(sc.layout, MODULES["qkv"])
     cls = batch_class(batch.max_blocks, batch.block_m)
     table = TileTable("cpu", "any", {
-        ("stream", cls, qkv.in_features, qkv.count): Tiles(JOB_ROWS, 16, num_stages=1),
-        ("expand", cls, max(qkv.out_features), qkv.count): Tiles(16, MAX_RANK, num_warps=2)})
+        ("stream", cls, HIDDEN, 1): Tiles(JOB_ROWS, 16, num_stages=1),
+        ("expand", cls, HIDDEN, 3): Tiles(16, MAX_RANK, num_warps=2)})
     backend = TritonBackend(*small_tiles(1), stream_tiles=stream_tiles, table=table)
     g = torch.Generator().manual_seed(3)
-    for name, tuned in (("qkv", True), ("o", False)):
+    for name, stages, expand_k, warps in (("qkv", 2, MAX_RANK, 2), ("o", 1, 16, 4),
+                                          ("down", 2, 16, 4), ("gate_up", 2, 16, 4)):
         module = ModuleSlices.of(sc.layout, MODULES[name])
         x = torch.randn(21, module.in_features, generator=g)
         y0 = torch.randn(21, sum(module.out_features), generator=g)
         want_h, want_y = _dense_expected(sc, x, token_slots, MODULES[name], y0)
-        backend._plans.clear()
         h = torch.full((module.count, 21, MAX_RANK), float("nan"))
         backend.shrink(x, sc.pool, h, batch, sc.slots, module, sc.layout)
         y = y0.clone()
         backend.expand(h, sc.pool, y, batch, sc.slots, module, sc.layout)
         torch.testing.assert_close(y, want_y, atol=1e-4, rtol=1e-4)
-        (stream,), ((_, expand),) = ([p for k, p in backend._plans.items() if k[0] == op]
-                                     for op in ("stream", "expand"))
+        (stream,) = [p for k, p in backend._plans.items()
+                     if k[0] == "stream" and k[3:5] == (module.in_features, module.count)]
+        ((_, expand),) = [p for k, p in backend._plans.items()
+                          if k[0] == "expand" and k[1] == module.out_rows]
         assert (stream.meta["num_stages"], expand.meta["BK"], expand.meta["num_warps"]) == \
-            ((1, MAX_RANK, 2) if tuned else (2, 16, 4))
+            (stages, expand_k, warps), name

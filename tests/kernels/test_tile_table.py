@@ -1,5 +1,6 @@
 """The tuned tile table (--loraserve-tiles, kernels/tile_table.py): its file
-format, what it refuses, and that the rules' own tiles are tiles it takes."""
+format, what it refuses, and that its batch classes split batches where the
+backend's rules do, so an entry can stand in for a rule's pick."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import pytest
 from vllm_loraserve.config import LoraServeConfig
 from vllm_loraserve.kernels import get_backend, make_batch
 from vllm_loraserve.kernels.batch import JOB_ROWS
-from vllm_loraserve.kernels.tile_table import Tiles, TileTable, batch_class, check_tiles, table_row
+from vllm_loraserve.kernels.tile_table import CLASSES, Tiles, TileTable, batch_class, check_tiles
 from vllm_loraserve.kernels.triton_mbgmm import expand_tiles, shrink_tiles, stream_tiles
 
 ENTRIES = {("stream", "short", 4096, 3): Tiles(JOB_ROWS, 64, max_regs=48),
            ("expand", "short", 28672, 2): Tiles(64, 32, num_warps=8, num_stages=3),
            ("shrink", "few", 14336, 1): Tiles(32, 128, split_k=16)}
+RULES = {"shrink": shrink_tiles, "stream": stream_tiles, "expand": expand_tiles}
 
 
 def test_a_table_survives_its_file(tmp_path):
@@ -26,42 +28,82 @@ def test_a_table_survives_its_file(tmp_path):
     assert LoraServeConfig(tiles=str(path)).tiles == str(path)
 
 
-def test_batch_classes_split_as_the_rules_do():
-    assert [batch_class(b, m) for b, m in ((1, 16), (128, 64), (129, 16), (4096, 16),
-                                           (129, 32))] == ["few", "few", "short", "short",
-                                                           "tall"]
-    assert TileTable("d", "t", ENTRIES).get("stream", 700, 16, 4096, 3) == ENTRIES[
-        ("stream", "short", 4096, 3)]
-    assert TileTable("d", "t", ENTRIES).get("stream", 700, 16, 4096, 1) is None  # other count
+def _batches():
+    """Batches of 1-300 work blocks (one distinct slot each) of every height
+    the pool builds, with ranks (so with jobs)."""
+    for blocks in (1, 64, 128, 129, 300):
+        for block_m in (16, 32, 64):
+            yield make_batch(list(range(blocks)), block_m=block_m, ranks=[16] * blocks)
 
 
-@pytest.mark.parametrize("tokens, block_m", [(1, 16), (300, 16), (3000, 16), (3000, 64)])
+@pytest.mark.parametrize("op", sorted(RULES))
 @pytest.mark.parametrize("size", [1024, 4096, 14336])
-def test_the_rules_tiles_are_legal_entries(tokens, block_m, size):
-    batch = make_batch([0] * tokens, block_m=block_m, ranks=[64])
-    check_tiles("shrink", shrink_tiles(batch, size))
-    check_tiles("stream", stream_tiles(batch, size))
-    check_tiles("expand", expand_tiles(batch, size))
+def test_each_rule_picks_one_legal_tile_per_batch_class(op, size):
+    """An entry replaces a rule's pick for a whole class: the rule must not
+    split a class itself (it would then have been tuned per part), and its
+    picks must be entries the table takes."""
+    picks = {}
+    for batch in _batches():
+        t = RULES[op](batch, size)
+        check_tiles(op, t)
+        picks.setdefault(batch_class(batch.max_blocks, batch.block_m), set()).add(t)
+    assert set(picks) == set(CLASSES)
+    assert all(len(p) == 1 for p in picks.values()), picks
+
+
+def test_an_entry_is_found_by_class_size_and_count():
+    table = TileTable("d", "t", ENTRIES)
+    assert table.get("stream", 700, 16, 4096, 3) == ENTRIES[("stream", "short", 4096, 3)]
+    assert table.get("stream", 700, 16, 4096, 1) is None  # another count
+    assert table.get("stream", 700, 16, 14336, 3) is None  # another size
+    assert table.get("stream", 700, 32, 4096, 3) is None  # another class (tall)
+    assert table.get("expand", 700, 16, 4096, 3) is None  # another op
 
 
 @pytest.mark.parametrize("op, tiles, why", [
     ("expand", Tiles(256, 16), "divide the panel"),
     ("expand", Tiles(48, 16), "powers of two"),
-    ("expand", Tiles(128, 8), "at least 16"),
+    ("expand", Tiles(128, 8), "from 16 to 256"),
+    ("expand", Tiles(128, 512), "from 16 to 256"),
     ("stream", Tiles(16, 128), "block_n must be 32"),
     ("shrink", Tiles(32, 256), "divide the panel"),
-    ("shrink", Tiles(32, 128, split_k=3), "split_k"),
+    ("shrink", Tiles(32, 128, split_k=3), "split_k must be 0 .automatic. or a power"),
+    ("stream", Tiles(32, 128, split_k=2), "split_k must be 0 for 'stream'"),
+    ("expand", Tiles(128, 16, split_k=2), "split_k must be 0 for 'expand'"),
+    ("expand", Tiles(128, 16, max_regs=48), "max_regs must be 0 for 'expand'"),
+    ("shrink", Tiles(32, 128, max_regs=48), "max_regs must be 0 for 'shrink'"),
     ("expand", Tiles(128, 16, num_warps=3), "num_warps"),
+    ("expand", Tiles(128, 16, num_warps=32), "num_warps"),
     ("expand", Tiles(128, 16, num_stages=0), "num_stages"),
-    ("stream", Tiles(32, 128, max_regs=300), "max_regs"),
+    ("expand", Tiles(128, 16, num_stages=9), "num_stages"),
+    ("stream", Tiles(32, 128, max_regs=23), "max_regs must be 0 .the compiler's. or 24"),
+    ("stream", Tiles(32, 128, max_regs=256), "max_regs must be 0 .the compiler's. or 24"),
     ("expand", Tiles(128, True), "integer"),
     ("gemm", Tiles(128, 16), "op must be one of"),
 ])
 def test_tiles_that_cannot_launch_are_refused(op, tiles, why):
     with pytest.raises(ValueError, match=why):
         check_tiles(op, tiles)
-    with pytest.raises(ValueError, match=why):
+    with pytest.raises(ValueError, match=rf"entry \({op}, short, 4096, 1\): .*{why}"):
         TileTable("d", "t", {(op, "short", 4096, 1): tiles})
+
+
+@pytest.mark.parametrize("tiles", [Tiles(16, 16), Tiles(256, 128, split_k=16, num_warps=16,
+                                                        num_stages=8)])
+def test_the_limits_themselves_are_taken(tiles):
+    check_tiles("shrink", tiles)
+
+
+@pytest.mark.parametrize("key, why", [
+    (("expand", "huge", 4096, 1), "batch class must be one of"),
+    (("expand", "short", 0, 1), "size must be a positive integer"),
+    (("expand", "short", 4096, 0), "count must be a positive integer"),
+    (("expand", "short", 4096.0, 1), "size must be a positive integer"),
+    (("expand", "short", 4096, True), "count must be a positive integer"),
+])
+def test_keys_that_no_launch_has_are_refused(key, why):
+    with pytest.raises(ValueError, match=why):
+        TileTable("d", "t", {key: Tiles(128, 16)})
 
 
 def _row(**change):
@@ -70,35 +112,28 @@ def _row(**change):
     return {**row, **change}
 
 
+def _table(*rows):
+    return json.dumps({"device": "d", "triton": "t", "entries": list(rows)})
+
+
 @pytest.mark.parametrize("text, why", [
-    ("not json", "JSONDecodeError"),
-    (json.dumps({"device": "d", "entries": []}), "KeyError: 'triton'"),
-    (json.dumps({"device": "d", "triton": "t", "entries": [_row(), _row()]}), "twice"),
-    (json.dumps({"device": "d", "triton": "t", "entries": [_row(batch_class="huge")]}),
-     "class must be one of"),
-    (json.dumps({"device": "d", "triton": "t",
-                 "entries": [_row(tiles=dict(block_n=128, block_k=16, warps=4))]}),
-     "unexpected keyword argument 'warps'"),
-    (json.dumps({"device": "d", "triton": "t", "entries": [_row(size="wide")]}),
-     "invalid literal"),
+    ("not json", "is not JSON"),
+    (json.dumps({"device": "d", "entries": []}), "not a loraserve tile table.*KeyError: 'triton'"),
+    (_table(_row(), _row()), "appears twice"),
+    (_table(_row(batch_class="huge")), "batch class must be one of"),
+    (_table(_row(tiles=dict(block_n=128, block_k=16, warps=4))),
+     "not a loraserve tile table.*unexpected keyword argument 'warps'"),
+    (_table(_row(size="wide")), "size must be a positive integer"),
+    (_table(_row(size=4096.9)), "size must be a positive integer"),
+    (_table(_row(tiles=dict(block_n=256, block_k=16))), "divide the panel"),
 ])
 def test_a_bad_table_stops_the_start_with_its_reason(tmp_path, text, why):
     path = tmp_path / "tiles.json"
     path.write_text(text)
-    with pytest.raises(ValueError, match="is not a loraserve tile table") as e:
+    with pytest.raises(ValueError, match=f"{path}.*{why}"):
         LoraServeConfig(tiles=str(path))
-    assert why in str(e.value)
     with pytest.raises(ValueError, match="cannot read the tile table"):
         LoraServeConfig(tiles=str(tmp_path / "missing.json"))
-
-
-def test_a_sweeps_picks_make_one_entry_per_key():
-    rows = {}
-    table_row(rows, "expand", 700, 16, 4096, 1, Tiles(64, 32))
-    table_row(rows, "expand", 900, 16, 4096, 1, Tiles(64, 32))  # the same pick: kept
-    assert rows == {("expand", "short", 4096, 1): Tiles(64, 32)}
-    with pytest.raises(ValueError, match="one token count per batch class"):
-        table_row(rows, "expand", 900, 16, 4096, 1, Tiles(128, 16))
 
 
 def test_only_the_triton_kernels_take_a_table():

@@ -146,11 +146,14 @@ def test_page_view_refuses_a_layout_that_is_not_blocks_first():
         page_view(kv, 2 * 16 * 16)
 
 
-def test_warm_up_launches_every_variant_serving_launches(monkeypatch):
+@pytest.mark.parametrize("tuned", [False, True])
+def test_warm_up_launches_every_variant_serving_launches(monkeypatch, tuned):
     """Issue 23: no kernel compiles while serving. The Triton backend's
     launches are recorded (not run): every (block height, tiles, split-K) a
     step of any token count up to the pool's maximum launches for each module
-    kind was launched by the warm-up, which leaves pages, y and h as they were."""
+    kind was launched by the warm-up, which leaves pages, y and h as they were;
+    with a tile table (`tuned`) too, whose tiles serving then launches."""
+    from vllm_loraserve.kernels.tile_table import Tiles, TileTable
     from vllm_loraserve.kernels.triton_mbgmm import TritonBackend
 
     launched: list[tuple] = []
@@ -158,9 +161,13 @@ def test_warm_up_launches_every_variant_serving_launches(monkeypatch):
     class Recording(TritonBackend):
         def shrink(self, x, pool, h, batch, slots, module, layout, h_zeroed=False,
                    zero_next=None):  # neither changes the variant (no specialising)
-            t, split_k, _ = self._shrink_launch(batch, slots.max_rank, module.in_features,
-                                                module.count, x.device)
-            launched.append(("shrink", module, batch.block_m, t, split_k))
+            if batch.jobs is not None:  # the pool's path: the stream-K shrink
+                launched.append(("stream", module, batch.block_m,
+                                 self._tiles("stream", batch, module.in_features, module.count)))
+            else:
+                t, split_k, _ = self._shrink_launch(batch, slots.max_rank, module.in_features,
+                                                    module.count, x.device)
+                launched.append(("shrink", module, batch.block_m, t, split_k))
             assert int(batch.num_blocks_dev[0]) == 0  # no work: nothing computed
 
         def expand(self, h, pool, y, batch, slots, module, layout):
@@ -180,7 +187,11 @@ def test_warm_up_launches_every_variant_serving_launches(monkeypatch):
     layout = model_layout(CFG, 1024)
     pool = DevicePool(layout.slices, LAYERS, max_rank=32, max_tokens=600, max_slots=8,
                       max_slices=3, backend="torch", device=torch.device("cpu"))
-    pool.backend = Recording()
+    # Steps of up to 600 tokens and 8 slots have at most 46 blocks: class few.
+    table = TileTable("cpu", "any", {
+        ("stream", "few", CFG.hidden_size, 3): Tiles(32, 128, num_stages=3),
+        ("expand", "few", CFG.hidden_size, 1): Tiles(128, 32, num_warps=8)})
+    pool.backend = Recording(table=table if tuned else None)
     kv = [torch.randn(KV_SHAPE) for _ in range(LAYERS)]
     before = [t.clone() for t in kv]
     pool.bind(kv)
@@ -191,7 +202,7 @@ def test_warm_up_launches_every_variant_serving_launches(monkeypatch):
     warmed = set(launched)
     assert ("write", (0,)) in warmed and all(torch.equal(a, b) for a, b in zip(kv, before,
                                                                           strict=True))
-    shrinks = [k for k in launched if k[0] == "shrink"]
+    shrinks = [k for k in launched if k[0] == "stream"]
     assert variants == 1 + len(shrinks) == 1 + len(set(shrinks))  # the writer; each once
     # Serving: every token count, through the pool's own path, as captured in
     # a CUDA graph (eager steps skip the launches of empty batches).
@@ -205,8 +216,11 @@ def test_warm_up_launches_every_variant_serving_launches(monkeypatch):
             y = torch.zeros(num_tokens, sum(ms.out_features))
             pool.add_lora(0, ms, x, y)
     served = set(launched)
-    assert {k[2] for k in served if k[0] == "shrink"} == {16, 64}  # both block heights
+    assert {k[2] for k in served if k[0] == "stream"} == {16, 64}  # both block heights
     assert served <= warmed, served - warmed
+    tiles = {k[-1] for k in served}
+    assert (Tiles(32, 128, num_stages=3) in tiles and Tiles(128, 32, num_warps=8) in tiles) \
+        == tuned
 
 
 def test_eager_steps_skip_empty_batchings_only():

@@ -293,5 +293,10 @@ def test_the_configs_gate():
     assert read_gate_for("off", 3) is None
     with pytest.raises(ValueError, match="read_pause_reads must be an integer >= 2"):
         LoraServeConfig(read_pause_reads=1)
+    with pytest.raises(ValueError, match="at most read_threads .4.: no more reads run"):
+        LoraServeConfig(read_pause_reads=5)
+    assert LoraServeConfig(read_pause_reads=5, read_threads=5).read_pause_reads == 5
+    assert LoraServeConfig(read_pause_reads=5, read_pause="off").read_pause == "off"
+    assert LoraServeConfig(read_threads=1).read_pause_reads == 2  # the default still starts
     with pytest.raises(ValueError, match="at least 2"):
         ReadGate(1)

@@ -6,12 +6,18 @@ backend's rules choose (kernels/triton_mbgmm.py: shrink_tiles, stream_tiles,
 expand_tiles); the variants of both are compiled at bind, so nothing is
 tuned or compiled while serving.
 
-An entry is keyed by what fixes a launch apart from the step's contents:
-the op (`OPS`), the batch's class (`batch_class`), the module's size (K for
-the shrinks, the widest slice's N for the expand) and its slice count.
+An entry is keyed by the op (`OPS`), the batch's class (`batch_class`),
+the module's size (K for the shrinks, the widest slice's N for the expand)
+and its slice count: every launch plan of the backend fixes these, so a
+plan never runs with another entry's tiles. The key leaves out the pool's
+maximum rank and slot count: a sweep tunes at its own, and a server with
+other limits takes the same tiles for the class (where a class starts, in
+work blocks, follows its slot count).
 
-Invariant: `Tiles` of an entry pass `check_tiles` for its op, so a table
-that loads launches (the layout's panel is checked again at launch).
+Invariant: `Tiles` of an entry pass `check_tiles` for its op: their shapes
+can launch, and no field is set that the op ignores. A tile too large for
+the GPU's shared memory still fails, at bind (the warm-up compiles every
+variant), never while serving.
 """
 
 from __future__ import annotations
@@ -56,10 +62,15 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+MAX_TILE = 256  # rows or columns of a tile: larger ones outgrow shared memory
+
+
 def check_tiles(op: str, t: Tiles) -> None:
     """Raises ValueError where `t` cannot launch for `op`: tile sizes are
-    powers of two of at least 16 (Triton's dot), column tiles divide a
-    panel, the stream shrink takes its jobs' rank rows."""
+    powers of two from 16 (Triton's dot) to MAX_TILE, column tiles divide a
+    panel, the stream shrink takes its jobs' rank rows; and where `t` sets
+    what `op` ignores (split-K but for the split-K shrink, registers but
+    for the stream shrink), which a table would only seem to tune."""
     problems = []
     if op not in OPS:
         problems.append(f"op must be one of {list(OPS)}")
@@ -68,8 +79,8 @@ def check_tiles(op: str, t: Tiles) -> None:
         problems.append("every field must be an integer")
     else:
         if not (_power_of_two(t.block_n) and _power_of_two(t.block_k)
-                and min(t.block_n, t.block_k) >= 16):
-            problems.append("block_n and block_k must be powers of two of at least 16")
+                and min(t.block_n, t.block_k) >= 16 and max(t.block_n, t.block_k) <= MAX_TILE):
+            problems.append(f"block_n and block_k must be powers of two from 16 to {MAX_TILE}")
         column = t.block_n if op == "expand" else t.block_k
         if PANEL % max(column, 1):
             problems.append(f"its column tile {column} must divide the panel ({PANEL})")
@@ -78,6 +89,10 @@ def check_tiles(op: str, t: Tiles) -> None:
                             f"rank rows)")
         if t.split_k < 0 or (t.split_k and not _power_of_two(t.split_k)):
             problems.append("split_k must be 0 (automatic) or a power of two")
+        if op != "shrink" and t.split_k:
+            problems.append(f"split_k must be 0 for {op!r} (only the split-K shrink splits)")
+        if op != "stream" and t.max_regs:
+            problems.append(f"max_regs must be 0 for {op!r} (only the stream shrink sets it)")
         if not (_power_of_two(t.num_warps) and t.num_warps <= 16):
             problems.append("num_warps must be a power of two up to 16")
         if not 1 <= t.num_stages <= 8:
@@ -99,10 +114,16 @@ class TileTable:
 
     def __post_init__(self) -> None:
         for (op, cls, size, count), t in self.entries.items():
-            if cls not in CLASSES or size < 1 or count < 1:
-                raise ValueError(f"entry ({op}, {cls}, {size}, {count}): class must be one of "
-                                 f"{list(CLASSES)}, size and count positive")
-            check_tiles(op, t)
+            where = f"entry ({op}, {cls}, {size}, {count})"
+            if cls not in CLASSES:
+                raise ValueError(f"{where}: its batch class must be one of {list(CLASSES)}")
+            for name, n in (("size", size), ("count", count)):
+                if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                    raise ValueError(f"{where}: its {name} must be a positive integer")
+            try:
+                check_tiles(op, t)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
 
     def get(self, op: str, max_blocks: int, block_m: int, size: int, count: int
             ) -> Tiles | None:
@@ -119,14 +140,19 @@ class TileTable:
             raw = json.loads(text)
             entries = {}
             for row in raw["entries"]:
-                key = (row["op"], row["batch_class"], int(row["size"]), int(row["count"]))
+                key = (row["op"], row["batch_class"], row["size"], row["count"])
                 if key in entries:
                     raise ValueError(f"entry {key} appears twice")
                 entries[key] = Tiles(**row["tiles"])
             return cls(str(raw["device"]), str(raw["triton"]), entries)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{what} is not a loraserve tile table: "
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} is not JSON: {e}") from e
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{what} is not a loraserve tile table (device, triton, entries "
+                             f"of op, batch_class, size, count, tiles): "
                              f"{type(e).__name__}: {e}") from e
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from e
 
     @classmethod
     def load(cls, path: str) -> TileTable:
@@ -136,16 +162,4 @@ class TileTable:
         except OSError as e:
             raise ValueError(f"cannot read the tile table {path}: {e}") from e
         return cls.from_json(text, path)
-
-
-def table_row(rows: dict[Key, Tiles], op: str, max_blocks: int, block_m: int, size: int,
-              count: int, tiles: Tiles) -> None:
-    """Adds a sweep's pick to `rows` (a TileTable's entries under way); two
-    picks for one key (two sweeps of one batch class) are refused."""
-    key = (op, batch_class(max_blocks, block_m), size, count)
-    if key in rows and rows[key] != tiles:
-        raise ValueError(f"two picks for {key}: {rows[key]} and {tiles} (sweep one token count "
-                         f"per batch class)")
-    check_tiles(op, tiles)
-    rows[key] = tiles
 
