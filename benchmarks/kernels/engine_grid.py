@@ -203,7 +203,7 @@ def load_module(path: str, name: str):
 STREAM_AXES = dict(block_k=(32, 64, 128), num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4),
                    max_regs=(0, 32, 48, 64))
 EXPAND_AXES = dict(block_n=(32, 64, 128), block_k=(16, 32, 64),
-                   num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4))
+                   num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4), max_regs=(0, 40, 48))
 
 
 def probe_batch(pool, tokens):

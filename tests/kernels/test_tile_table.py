@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from vllm_loraserve.config import LoraServeConfig
 from vllm_loraserve.kernels import get_backend, make_batch
@@ -70,8 +71,6 @@ def test_an_entry_is_found_by_class_size_and_count():
     ("shrink", Tiles(32, 128, split_k=3), "split_k must be 0 .automatic. or a power"),
     ("stream", Tiles(32, 128, split_k=2), "split_k must be 0 for 'stream'"),
     ("expand", Tiles(128, 16, split_k=2), "split_k must be 0 for 'expand'"),
-    ("expand", Tiles(128, 16, max_regs=48), "max_regs must be 0 for 'expand'"),
-    ("shrink", Tiles(32, 128, max_regs=48), "max_regs must be 0 for 'shrink'"),
     ("expand", Tiles(128, 16, num_warps=3), "num_warps"),
     ("expand", Tiles(128, 16, num_warps=32), "num_warps"),
     ("expand", Tiles(128, 16, num_stages=0), "num_stages"),
@@ -92,6 +91,19 @@ def test_tiles_that_cannot_launch_are_refused(op, tiles, why):
                                                         num_stages=8)])
 def test_the_limits_themselves_are_taken(tiles):
     check_tiles("shrink", tiles)
+
+
+@pytest.mark.parametrize("op", ["shrink", "stream", "expand"])
+def test_a_register_cap_reaches_every_ops_cuda_launch(op):
+    """max_regs becomes Triton's maxnreg on CUDA, for every op (the sweep
+    searches it for the expand too); elsewhere, and at 0, no cap."""
+    from vllm_loraserve.kernels.triton_mbgmm import _options
+
+    t = Tiles(JOB_ROWS, 64, num_warps=8, num_stages=3, max_regs=40)
+    check_tiles(op, t)
+    assert _options(t, torch.device("cuda")) == dict(num_warps=8, num_stages=3, maxnreg=40)
+    assert _options(t, torch.device("cpu")) == dict(num_warps=8, num_stages=3)
+    assert "maxnreg" not in _options(Tiles(JOB_ROWS, 64), torch.device("cuda"))
 
 
 @pytest.mark.parametrize("key, why", [

@@ -69,8 +69,8 @@ def check_tiles(op: str, t: Tiles) -> None:
     """Raises ValueError where `t` cannot launch for `op`: tile sizes are
     powers of two from 16 (Triton's dot) to MAX_TILE, column tiles divide a
     panel, the stream shrink takes its jobs' rank rows; and where `t` sets
-    what `op` ignores (split-K but for the split-K shrink, registers but
-    for the stream shrink), which a table would only seem to tune."""
+    what `op` ignores (split-K but for the split-K shrink), which a table
+    would only seem to tune."""
     problems = []
     if op not in OPS:
         problems.append(f"op must be one of {list(OPS)}")
@@ -91,8 +91,6 @@ def check_tiles(op: str, t: Tiles) -> None:
             problems.append("split_k must be 0 (automatic) or a power of two")
         if op != "shrink" and t.split_k:
             problems.append(f"split_k must be 0 for {op!r} (only the split-K shrink splits)")
-        if op != "stream" and t.max_regs:
-            problems.append(f"max_regs must be 0 for {op!r} (only the stream shrink sets it)")
         if not (_power_of_two(t.num_warps) and t.num_warps <= 16):
             problems.append("num_warps must be a power of two up to 16")
         if not 1 <= t.num_stages <= 8:

@@ -416,6 +416,15 @@ def _check_panel(layout: LayerLayout, *tile_sizes: int) -> None:
                              f"layout's panel {layout.panel}: a tile could cross a page")
 
 
+def _options(t: Tiles, device: torch.device) -> dict[str, int]:
+    """A launch's compile options from its tiles: warps, pipeline stages and,
+    on CUDA, a register cap (fewer registers a thread, more programs an SM)."""
+    opts = dict(num_warps=t.num_warps, num_stages=t.num_stages)
+    if t.max_regs and device.type == "cuda":
+        opts["maxnreg"] = t.max_regs
+    return opts
+
+
 MAX_PLANS = 4096  # launch plans a backend keeps (see TritonBackend._bound_plans)
 
 
@@ -512,8 +521,7 @@ class TritonBackend:
             x.stride(0), h.stride(0), h.stride(1),
             BM=batch.block_m, BN=t.block_n, BK=t.block_k, SPLIT_K=split_k,
             EVEN_K=k % t.block_k == 0, EVEN_H=split_k > 1 and h.shape[-1] % t.block_n == 0,
-            PANEL=layout.panel,
-            num_warps=t.num_warps, num_stages=t.num_stages,
+            PANEL=layout.panel, **_options(t, x.device),
         )
 
     def _shrink_stream(self, x, pool, h, batch, slots, layout, k, seg0, count, h_zeroed,
@@ -534,10 +542,7 @@ class TritonBackend:
                 _shrink_stream_kernel, (STREAM_PROGRAMS_PER_SM * sms,),
                 dict(BM=batch.block_m, BN=t.block_n, BK=t.block_k, COUNT=count,
                      EVEN_K=k % t.block_k == 0, PANEL=layout.panel, ZB=ZERO_BLOCK,
-                     JC=JOB_COLS, num_warps=t.num_warps,
-                     num_stages=t.num_stages,
-                     **({"maxnreg": t.max_regs} if t.max_regs and x.device.type == "cuda"
-                        else {})))
+                     JC=JOB_COLS, **_options(t, x.device)))
         if not h_zeroed:
             h.zero_()
         if zero_next is not None and (zero_next.dtype != torch.float32
@@ -573,7 +578,7 @@ class TritonBackend:
                 dict(BM=batch.block_m, BN=t.block_n, BK=t.block_k,
                      ALIGNED=all(n % 16 == 0 and col % 16 == 0 for n, col in desc_rows),
                      EVEN_H=h_zeroed and h.shape[-1] % t.block_k == 0, PANEL=layout.panel,
-                     num_warps=t.num_warps, num_stages=t.num_stages)))
+                     **_options(t, y.device))))
         desc, launch = plan
         launch(h, pool, y, batch.sorted_tokens, batch.blocks, batch.num_blocks_dev, slots.rank,
                slots.seg_offsets, slots.pages, desc,
