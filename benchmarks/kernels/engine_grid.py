@@ -201,9 +201,10 @@ def load_module(path: str, name: str):
 # picks: the stream-K shrink first (the pool's steps carry jobs), then the
 # expand (with the best shrink). Candidates `check_tiles` refuses are skipped.
 STREAM_AXES = dict(block_k=(32, 64, 128), num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4),
-                   max_regs=(0, 32, 48, 64))
+                   max_regs=(0, 32, 48, 64), programs_per_sm=(0, 4, 16))
 EXPAND_AXES = dict(block_n=(32, 64, 128), block_k=(16, 32, 64),
-                   num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4), max_regs=(0, 40, 48))
+                   num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4), max_regs=(0, 40, 48),
+                   programs_per_sm=(0, 64, 128))
 
 
 def probe_batch(pool, tokens):

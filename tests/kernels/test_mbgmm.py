@@ -318,8 +318,8 @@ def test_a_tile_table_replaces_the_rules_where_it_has_an_entry():
     batch = make_batch(token_slots, ranks=sc.slots.rank)
     cls = batch_class(batch.max_blocks, batch.block_m)
     table = TileTable("cpu", "any", {
-        ("stream", cls, HIDDEN, 1): Tiles(JOB_ROWS, 16, num_stages=1),
-        ("expand", cls, HIDDEN, 3): Tiles(16, MAX_RANK, num_warps=2)})
+        ("stream", cls, HIDDEN, 1): Tiles(JOB_ROWS, 16, num_stages=1, programs_per_sm=1),
+        ("expand", cls, HIDDEN, 3): Tiles(16, MAX_RANK, num_warps=2, programs_per_sm=1)})
     backend = TritonBackend(*small_tiles(1), stream_tiles=stream_tiles, table=table)
     g = torch.Generator().manual_seed(3)
     for name, stages, expand_k, warps in (("qkv", 2, MAX_RANK, 2), ("o", 1, 16, 4),
@@ -339,3 +339,6 @@ def test_a_tile_table_replaces_the_rules_where_it_has_an_entry():
                           if k[0] == "expand" and k[1] == module.out_rows]
         assert (stream.meta["num_stages"], expand.meta["BK"], expand.meta["num_warps"]) == \
             (stages, expand_k, warps), name
+        # One program an SM (4 on CPU) where tuned: a grid-stride over every block.
+        assert (stream.grid[0] == 4) == (name == "o")
+        assert (expand.grid[0] == 1) == (name == "qkv") and batch.max_blocks > 1

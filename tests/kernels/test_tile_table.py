@@ -77,6 +77,8 @@ def test_an_entry_is_found_by_class_size_and_count():
     ("expand", Tiles(128, 16, num_stages=9), "num_stages"),
     ("stream", Tiles(32, 128, max_regs=23), "max_regs must be 0 .the compiler's. or 24"),
     ("stream", Tiles(32, 128, max_regs=256), "max_regs must be 0 .the compiler's. or 24"),
+    ("expand", Tiles(128, 16, programs_per_sm=3), "programs_per_sm"),
+    ("stream", Tiles(32, 128, programs_per_sm=512), "programs_per_sm"),
     ("expand", Tiles(128, True), "integer"),
     ("gemm", Tiles(128, 16), "op must be one of"),
 ])
@@ -88,7 +90,7 @@ def test_tiles_that_cannot_launch_are_refused(op, tiles, why):
 
 
 @pytest.mark.parametrize("tiles", [Tiles(16, 16), Tiles(256, 128, split_k=16, num_warps=16,
-                                                        num_stages=8)])
+                                                        num_stages=8, programs_per_sm=256)])
 def test_the_limits_themselves_are_taken(tiles):
     check_tiles("shrink", tiles)
 

@@ -46,6 +46,9 @@ class Tiles:
     num_warps: int = 4
     num_stages: int = 2
     max_regs: int = 0  # registers per thread (Triton's maxnreg) on CUDA; 0: the compiler's
+    # Programs an SM on the grid's work axis (triton_mbgmm.block_programs; the
+    # stream shrink's whole grid); 0: PROGRAMS_PER_SM, STREAM_PROGRAMS_PER_SM.
+    programs_per_sm: int = 0
 
 
 def batch_class(max_blocks: int, block_m: int) -> str:
@@ -95,6 +98,10 @@ def check_tiles(op: str, t: Tiles) -> None:
             problems.append("num_warps must be a power of two up to 16")
         if not 1 <= t.num_stages <= 8:
             problems.append("num_stages must be 1 to 8")
+        if t.programs_per_sm and not (_power_of_two(t.programs_per_sm)
+                                      and t.programs_per_sm <= 256):
+            problems.append("programs_per_sm must be 0 (the default) or a power of two up "
+                            "to 256")
         if t.max_regs and not 24 <= t.max_regs <= 255:
             problems.append("max_regs must be 0 (the compiler's) or 24 to 255")
     if problems:

@@ -362,7 +362,8 @@ PROGRAMS_PER_SM = 32
 STREAM_PROGRAMS_PER_SM = 8  # the stream-K shrink's grid: about one wave of its programs
 
 
-def block_programs(max_blocks: int, per_block: int, device: torch.device) -> int:
+def block_programs(max_blocks: int, per_block: int, device: torch.device,
+                   per_sm: int = 0) -> int:
     """Programs along the work-block axis: each strides over the step's
     blocks, so the grid holds about PROGRAMS_PER_SM programs per SM (with the
     `per_block` programs of the other axes) rather than one per block a
@@ -370,7 +371,7 @@ def block_programs(max_blocks: int, per_block: int, device: torch.device) -> int
     return, and their launches cost more than the LoRA work of small batches.
     Depends only on `max_blocks`, so a graph replays with the grid it captured."""
     sms = _num_sms(device) if device.type == "cuda" else 4
-    return max(1, min(max_blocks, triton.cdiv(PROGRAMS_PER_SM * sms, per_block)))
+    return max(1, min(max_blocks, triton.cdiv((per_sm or PROGRAMS_PER_SM) * sms, per_block)))
 
 
 def expand_tiles(batch: TokenBatch, n: int) -> Tiles:
@@ -494,7 +495,7 @@ class TritonBackend:
             split_k = t.split_k or auto_split_k(k, t.block_k,
                                                 batch.max_blocks * rank_blocks * count, device)
             grid = (block_programs(batch.max_blocks, split_k * rank_blocks * count,
-                                   device) * split_k, rank_blocks, count)
+                                   device, t.programs_per_sm) * split_k, rank_blocks, count)
             launch = self._launches[key] = (t, split_k, grid)
         return launch
 
@@ -539,7 +540,7 @@ class TritonBackend:
             _check_panel(layout, t.block_k)
             sms = _num_sms(x.device) if x.device.type == "cuda" else 4
             launch = self._plans[key] = Launcher(
-                _shrink_stream_kernel, (STREAM_PROGRAMS_PER_SM * sms,),
+                _shrink_stream_kernel, ((t.programs_per_sm or STREAM_PROGRAMS_PER_SM) * sms,),
                 dict(BM=batch.block_m, BN=t.block_n, BK=t.block_k, COUNT=count,
                      EVEN_K=k % t.block_k == 0, PANEL=layout.panel, ZB=ZERO_BLOCK,
                      JC=JOB_COLS, **_options(t, x.device)))
@@ -571,8 +572,8 @@ class TritonBackend:
             t = self._tiles("expand", batch, n_max, len(desc_rows))
             _check_panel(layout, t.block_n)
             col_blocks = triton.cdiv(n_max, t.block_n)
-            grid = (block_programs(batch.max_blocks, col_blocks * len(desc_rows), y.device),
-                    col_blocks, len(desc_rows))
+            grid = (block_programs(batch.max_blocks, col_blocks * len(desc_rows), y.device,
+                                   t.programs_per_sm), col_blocks, len(desc_rows))
             plan = self._plans[key] = (_desc(tuple(desc_rows), y.device), Launcher(
                 _expand_kernel, grid,
                 dict(BM=batch.block_m, BN=t.block_n, BK=t.block_k,
