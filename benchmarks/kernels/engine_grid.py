@@ -17,7 +17,7 @@ process.
     python benchmarks/kernels/engine_grid.py --shape llama3-8b --targets all-linear \\
         --sweep --out sweep.json     # coordinate search over tiles, per module kind
     python benchmarks/kernels/engine_grid.py --shape llama3-8b --targets all-linear \\
-        --mixes pow-200 --tokens 64,1024 --sweep --tiles-out tiles.json --out sweep.json
+        --mixes pow-200 --tokens 1024 --sweep --tiles-out tiles.json --out sweep.json
         # its picks as a table for `vllm serve ... --loraserve-tiles tiles.json`;
         # `--tiles tiles.json` times a table beside the rules
     python benchmarks/kernels/engine_grid.py --shape llama3-8b --targets all-linear \\
