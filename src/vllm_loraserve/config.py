@@ -172,7 +172,7 @@ class LoraServeConfig:
         "--tiles-out writes one for a model's shapes. Its tiles replace the "
         "built-in rules where it has an entry, and are compiled at start-up "
         "like them. '': the rules (tuned on an H200 at the Llama-2-7B and "
-        "Llama-3-8B shapes). A table from another GPU is used, with a warning.",
+        "Llama-3-8B shapes). A table from another GPU or Triton version is used, with a warning.",
         flag="--loraserve-tiles",
     )
     cold_start: str = _opt(

@@ -154,3 +154,33 @@ def test_only_the_triton_kernels_take_a_table():
     with pytest.raises(ValueError, match="tunes the triton kernels"):
         get_backend("torch", TileTable("d", "t", {}))
     assert get_backend("triton", TileTable("d", "t", ENTRIES))._table.entries == ENTRIES
+
+
+def test_the_worker_takes_the_configured_table_and_says_where_it_was_tuned(tmp_path, caplog,
+                                                                            monkeypatch):
+    import logging
+
+    import triton
+
+    from vllm_loraserve.worker import paged_manager as pm
+
+    # vLLM's logger keeps its records to its own handler: let them reach caplog's.
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+
+    manager = pm.PagedWorkerLoRAManager.__new__(pm.PagedWorkerLoRAManager)
+    manager.device = torch.device("cpu")
+    manager.cfg = LoraServeConfig()
+    assert manager._tile_table() is None
+    path = tmp_path / "tiles.json"
+    for device, version, elsewhere in (("cpu", triton.__version__, False),
+                                       ("NVIDIA H200", triton.__version__, True),
+                                       ("cpu", "0.0.1", True)):
+        path.write_text(TileTable(device, version, ENTRIES).to_json())
+        manager.cfg = LoraServeConfig(tiles=str(path))
+        caplog.clear()
+        with caplog.at_level("INFO", logger=pm.logger.name):
+            assert manager._tile_table() == TileTable(device, version, ENTRIES)
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert bool(warned) == elsewhere
+        if elsewhere:
+            assert f"tuned on {device} with Triton {version}, and this is cpu" in warned[0]

@@ -454,15 +454,17 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
         """--loraserve-tiles, said in the log, with where it was tuned."""
         if not self.cfg.tiles:
             return None
+        import triton  # the table tunes its kernels: there where a table is given
+
         table = TileTable.load(self.cfg.tiles)
-        here = torch.cuda.get_device_name(self.device) \
-            if torch.device(self.device).type == "cuda" else "cpu"
+        here = (torch.cuda.get_device_name(self.device)
+                if torch.device(self.device).type == "cuda" else "cpu", triton.__version__)
         logger.info("vllm-loraserve tiles: %d entries from %s (tuned on %s, Triton %s)",
                     len(table.entries), self.cfg.tiles, table.device, table.triton)
-        if table.device != here:
-            logger.warning("vllm-loraserve: the tile table %s was tuned on %s, and this is %s: "
-                           "its tiles may not be the best here", self.cfg.tiles, table.device,
-                           here)
+        if (table.device, table.triton) != here:
+            logger.warning("vllm-loraserve: the tile table %s was tuned on %s with Triton %s, "
+                           "and this is %s with Triton %s: its tiles may not be the best here",
+                           self.cfg.tiles, table.device, table.triton, *here)
         return table
 
     @property
