@@ -153,7 +153,7 @@ def test_a_bad_table_stops_the_start_with_its_reason(tmp_path, text, why):
 def test_only_the_triton_kernels_take_a_table():
     with pytest.raises(ValueError, match="tunes the triton kernels"):
         get_backend("torch", TileTable("d", "t", {}))
-    assert get_backend("triton", TileTable("d", "t", ENTRIES))._table.entries == ENTRIES
+    assert get_backend("triton", TileTable("d", "t", ENTRIES)).table.entries == ENTRIES
 
 
 def test_the_worker_takes_the_configured_table_and_says_where_it_was_tuned(tmp_path, caplog,
@@ -184,3 +184,29 @@ def test_the_worker_takes_the_configured_table_and_says_where_it_was_tuned(tmp_p
         assert bool(warned) == elsewhere
         if elsewhere:
             assert f"tuned on {device} with Triton {version}, and this is cpu" in warned[0]
+
+
+def test_the_worker_warns_when_no_entry_fits_the_models_launches(caplog, monkeypatch):
+    """A table tuned for other shapes would leave every tile to the rules
+    without a word: the worker says so after the warm-up."""
+    import logging
+    from types import SimpleNamespace
+
+    from vllm_loraserve.worker import paged_manager as pm
+
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    manager = pm.PagedWorkerLoRAManager.__new__(pm.PagedWorkerLoRAManager)
+    manager.cfg = LoraServeConfig()
+    for used, warned in ((set(), True), ({("stream", "short", 4096, 3)}, False)):
+        manager.pool = SimpleNamespace(backend=SimpleNamespace(
+            table=TileTable("d", "t", ENTRIES), table_keys_used=used))
+        caplog.clear()
+        with caplog.at_level("INFO", logger=pm.logger.name):
+            manager._say_table_use()
+        lines = {r.levelname: r.getMessage() for r in caplog.records}
+        assert ("no entry of the tile table" in lines.get("WARNING", "")) == warned
+        assert ("1 of the table's 3 entries fit" in lines.get("INFO", "")) == (not warned)
+    manager.pool = SimpleNamespace(backend=SimpleNamespace(table=None))
+    caplog.clear()
+    manager._say_table_use()  # no table: nothing to say
+    assert not caplog.records

@@ -199,6 +199,7 @@ def test_warm_up_launches_every_variant_serving_launches(monkeypatch, tuned):
              (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
               ("down_proj",))}
     variants = pool.warm_up(kinds)
+    assert pool.backend.table_keys_used == (set(table.entries) if tuned else set())
     warmed = set(launched)
     assert ("write", (0,)) in warmed and all(torch.equal(a, b) for a, b in zip(kv, before,
                                                                           strict=True))

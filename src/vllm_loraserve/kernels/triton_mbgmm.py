@@ -440,7 +440,8 @@ class TritonBackend:
         those, since every layer's shrink and expand of a step ask for it.
         `table`: tuned tiles (kernels/tile_table.py), before the functions."""
         self._rules = {"shrink": shrink_tiles, "stream": stream_tiles, "expand": expand_tiles}
-        self._table = table
+        self.table = table
+        self.table_keys_used: set = set()  # the table's entries some launch took
         self._grad_tiles = grad_tiles
         self._launches: dict[tuple, tuple[Tiles, int, tuple[int, int, int]]] = {}
         # Launch plans of the serving path's kernels, by what fixes their grid
@@ -449,8 +450,13 @@ class TritonBackend:
 
     def _tiles(self, op: str, batch: TokenBatch, size: int, count: int) -> Tiles:
         """The table's tiles for this launch, else the op's rule's."""
-        tuned = self._table and self._table.get(op, batch.max_blocks, batch.block_m, size, count)
-        return tuned or self._rules[op](batch, size)
+        if self.table is not None:
+            key = self.table.key(op, batch.max_blocks, batch.block_m, size, count)
+            tuned = self.table.entries.get(key)
+            if tuned is not None:
+                self.table_keys_used.add(key)
+                return tuned
+        return self._rules[op](batch, size)
 
     def _bound_plans(self) -> None:
         """Serving needs a few plans per module kind and batch shape; eager

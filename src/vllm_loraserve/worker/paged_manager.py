@@ -300,6 +300,7 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
             self._tables.warm_up()
         if self.cold is not None:
             self.cold.warm_up(self._module_kinds)
+        self._say_table_use()
         logger.info("vllm-loraserve pool bound: %d layers, %d pages of %d elements, %s kernels "
                     "(%d variants warmed up in %.1f s)", self.num_layers, kv_caches[0].shape[0],
                     self.pool.layout.page_size, type(self.pool.backend).__name__, variants,
@@ -466,6 +467,22 @@ class PagedWorkerLoRAManager(WorkerLoRAManager):
                            "and this is %s with Triton %s: its tiles may not be the best here",
                            self.cfg.tiles, table.device, table.triton, *here)
         return table
+
+    def _say_table_use(self) -> None:
+        """After the warm-up, which launched every variant serving can: how many
+        of --loraserve-tiles' entries this model's launches take. None is a
+        table for other shapes, whose tiles would never run: a warning."""
+        table = getattr(self.pool.backend, "table", None)  # the triton kernels' only
+        if table is None:
+            return
+        used = self.pool.backend.table_keys_used
+        if not used:
+            logger.warning("vllm-loraserve: no entry of the tile table %s fits this model's "
+                           "launches (tuned for other shapes?): the built-in rules choose every "
+                           "tile", self.cfg.tiles)
+        else:
+            logger.info("vllm-loraserve tiles: %d of the table's %d entries fit this model's "
+                        "launches", len(used), len(table.entries))
 
     @property
     def force_eager(self) -> bool:
