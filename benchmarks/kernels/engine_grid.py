@@ -55,6 +55,7 @@ from vllm_loraserve.paging.layout import LayerLayout, SliceSpec, pack_layer
 from vllm_loraserve.worker.pool import DevicePool
 
 LAYERS = 8
+SLOTS = 4096  # the pool's slot table
 # page: one layer's KV block of 16 tokens (K and V, kv heads x head 128), bf16.
 SHAPES = {
     "llama2-7b": dict(hidden=4096, kv=4096, inter=11008, page=2 * 16 * 32 * 128,
@@ -93,7 +94,7 @@ def build(shape: dict, kinds: tuple[str, ...], mix: str, tokens: int, dev: torch
     n = MIXES[mix]
     ranks = (int(mix.removeprefix("single-r")),) if mix.startswith("single-r") else shape["ranks"]
     max_rank = max(shape["ranks"])
-    pool = DevicePool(slices, LAYERS, max_rank, tokens, 4096, 3, "triton", dev,
+    pool = DevicePool(slices, LAYERS, max_rank, tokens, SLOTS, 3, "triton", dev,
                       large_rule=rule)
     layout = LayerLayout(slices, shape["page"])
     names = [s.name for s in slices]
@@ -313,8 +314,6 @@ def main() -> None:
 
     dev = torch.device("cuda")
     shape, kinds = SHAPES[a.shape], TARGETS[a.targets]
-    peak = copy_tb_s(dev)
-    print(f"copy: {peak:.2f} TB/s", flush=True)
     old = load_module(a.baseline, "baseline_mbgmm") if a.baseline else None
     if a.small_batch is not None:
         pool_mod.SMALL_BATCH = a.small_batch
@@ -340,7 +339,21 @@ def main() -> None:
     if a.tiles:
         variants.append(("table", mbgmm.TritonBackend(table=TileTable.load(a.tiles)), first))
     names = [name for name, _, _ in variants]
-    rows, table_rows, classes = [], {} if a.tiles_out else None, {}
+    rows, table_rows = [], {} if a.tiles_out else None
+    if a.tiles_out:  # one token count per batch class (its picks are the class's): now
+        classes = {}
+        for t in (int(v) for v in a.tokens.split(",")):
+            (key, bound), *more = pool_mod.plan(t, SLOTS, first[0])
+            cls = batch_class(bound, key[1])
+            if more:
+                raise SystemExit(f"--tiles-out: {t} tokens make {1 + len(more)} batchings "
+                                 f"under rule {first[0]!r}; the sweep times one")
+            if cls in classes:
+                raise SystemExit(f"--tiles-out: {t} and {classes[cls]} tokens are both batch "
+                                 f"class {cls!r}: sweep one token count per class")
+            classes[cls] = t
+    peak = copy_tb_s(dev)
+    print(f"copy: {peak:.2f} TB/s", flush=True)
     for mix in a.mixes.split(","):
         for t in (int(v) for v in a.tokens.split(",")):
             pools = {}
@@ -349,13 +362,6 @@ def main() -> None:
                 pools[rule, order], step_bytes, distinct = build(
                     shape, kinds, mix, t, dev, rule, a.prefill_chunks, a.chunk_tokens,
                     order=order)
-            if a.tiles_out:  # one token count per batch class: its picks are the class's
-                probe = probe_batch(pools[first], t)
-                cls = batch_class(probe.max_blocks, probe.block_m)
-                if cls in classes:
-                    raise SystemExit(f"--tiles-out: {t} and {classes[cls]} tokens are both "
-                                     f"batch class {cls!r}: sweep one token count per class")
-                classes[cls] = t
             row = dict(mix=mix, tokens=t, distinct=distinct, prefill_chunks=a.prefill_chunks,
                        chunk_tokens=a.chunk_tokens,
                        mb_per_layer=round(step_bytes / LAYERS / 1e6, 2))

@@ -26,8 +26,9 @@ sys.path.pop(0)
 
 CFG = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=16, intermediate_size=96, num_hidden_layers=2)
-FAST_STREAM = dict(num_warps=8, num_stages=3)  # what the fake timer rewards
-FAST_EXPAND = dict(block_k=32, num_stages=1)
+# What the fake timer rewards: a value of each axis the sweep has.
+FAST_STREAM = dict(num_warps=8, num_stages=3, programs_per_sm=16)
+FAST_EXPAND = dict(block_k=32, num_stages=1, max_regs=40, programs_per_sm=64)
 
 
 def _pool(tokens):
@@ -82,3 +83,18 @@ def test_the_sweep_finds_the_fastest_tiles_and_keys_them_as_the_server_looks_up(
     table = TileTable("cpu", "any", rows)
     assert TileTable.from_json(table.to_json()) == table
     assert table.get("expand", probe.max_blocks, probe.block_m, 64, 1) == want_expand
+
+
+def test_the_sweep_refuses_a_table_of_two_picks_per_class_before_any_gpu_work(monkeypatch):
+    monkeypatch.setattr(engine_grid, "copy_tb_s", lambda dev: 1 / 0)  # the first GPU work
+    for tokens, why in (("256,1024", "1024 and 256 tokens are both batch class 'short'"),
+                        ("64,8192", "8192 tokens make 2 batchings")):
+        monkeypatch.setattr(sys, "argv", ["engine_grid.py", "--sweep", "--mixes", "pow-200",
+                                          "--tokens", tokens, "--tiles-out", "t.json",
+                                          "--out", "o.json"])
+        try:
+            engine_grid.main()
+        except SystemExit as e:
+            assert why in str(e)
+        else:
+            raise AssertionError("not refused")

@@ -318,7 +318,7 @@ def test_a_tile_table_replaces_the_rules_where_it_has_an_entry():
     batch = make_batch(token_slots, ranks=sc.slots.rank)
     cls = batch_class(batch.max_blocks, batch.block_m)
     table = TileTable("cpu", "any", {
-        ("stream", cls, HIDDEN, 1): Tiles(JOB_ROWS, 16, num_stages=1, programs_per_sm=1),
+        ("stream", cls, HIDDEN, 1): Tiles(JOB_ROWS, 16, num_stages=1, programs_per_sm=16),
         ("expand", cls, HIDDEN, 3): Tiles(16, MAX_RANK, num_warps=2, programs_per_sm=1)})
     backend = TritonBackend(*small_tiles(1), stream_tiles=stream_tiles, table=table)
     g = torch.Generator().manual_seed(3)
@@ -339,6 +339,47 @@ def test_a_tile_table_replaces_the_rules_where_it_has_an_entry():
                           if k[0] == "expand" and k[1] == module.out_rows]
         assert (stream.meta["num_stages"], expand.meta["BK"], expand.meta["num_warps"]) == \
             (stages, expand_k, warps), name
-        # One program an SM (4 on CPU) where tuned: a grid-stride over every block.
-        assert (stream.grid[0] == 4) == (name == "o")
+        # 16 stream programs an SM (4 SMs on CPU) where tuned, against 8; one
+        # expand program an SM: a grid-stride over every block.
+        assert stream.grid[0] == (64 if name == "o" else 32)
         assert (expand.grid[0] == 1) == (name == "qkv") and batch.max_blocks > 1
+
+
+def test_every_launch_takes_its_compile_options_from_its_tiles(monkeypatch):
+    """Warps, stages and the register cap (`_options`) reach the split-K
+    shrink's, the stream shrink's and the expand's launches alike."""
+    from vllm_loraserve.kernels import triton_mbgmm
+
+    monkeypatch.setattr(triton_mbgmm, "_options",
+                        lambda t, device: dict(num_warps=t.num_warps, num_stages=t.num_stages,
+                                               maxnreg=t.max_regs))  # as on CUDA
+    given = []
+    real = triton_mbgmm._shrink_kernel
+
+    class Shrink:  # records the split-K shrink's launch options
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                given.append({k: kw[k] for k in ("num_warps", "num_stages", "maxnreg")})
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(triton_mbgmm, "_shrink_kernel", Shrink())
+    sc = Scenario(4, torch.float32)
+    token_slots = sc.token_slots(random.Random(4), 9)
+    module = ModuleSlices.of(sc.layout, MODULES["qkv"])
+    tiles = dict(num_warps=2, num_stages=3, max_regs=40)
+    backend = TritonBackend(lambda b, k: Tiles(16, 16, split_k=1, **tiles),
+                            lambda b, n: Tiles(16, 16, **tiles),
+                            stream_tiles=lambda b, k: Tiles(JOB_ROWS, 16, **tiles))
+    want = dict(num_warps=2, num_stages=3, maxnreg=40)
+    for ranks in (None, sc.slots.rank):  # the split-K shrink, then the stream shrink
+        batch = make_batch(token_slots, ranks=ranks)
+        h = torch.zeros(module.count, 9, MAX_RANK)
+        backend.shrink(torch.randn(9, HIDDEN), sc.pool, h, batch, sc.slots, module, sc.layout)
+        backend.expand(h, sc.pool, torch.zeros(9, sum(module.out_features)), batch, sc.slots,
+                       module, sc.layout)
+    assert given == [want]
+    for key, plan in backend._plans.items():
+        launcher = plan[1] if key[0] == "expand" else plan
+        assert {k: launcher.meta[k] for k in want} == want, key
+    assert {k[0] for k in backend._plans} == {"stream", "expand"}

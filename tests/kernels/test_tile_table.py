@@ -183,7 +183,8 @@ def test_the_worker_takes_the_configured_table_and_says_where_it_was_tuned(tmp_p
         warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert bool(warned) == elsewhere
         if elsewhere:
-            assert f"tuned on {device} with Triton {version}, and this is cpu" in warned[0]
+            assert (f"tuned on {device} with Triton {version}, and this is cpu with Triton "
+                    f"{triton.__version__}") in warned[0]
 
 
 def test_the_worker_warns_when_no_entry_fits_the_models_launches(caplog, monkeypatch):

@@ -419,9 +419,10 @@ def _check_panel(layout: LayerLayout, *tile_sizes: int) -> None:
 
 def _options(t: Tiles, device: torch.device) -> dict[str, int]:
     """A launch's compile options from its tiles: warps, pipeline stages and,
-    on CUDA, a register cap (fewer registers a thread, more programs an SM)."""
+    on CUDA, a register cap (fewer registers a thread, more programs an SM;
+    ROCm's Triton has no such option)."""
     opts = dict(num_warps=t.num_warps, num_stages=t.num_stages)
-    if t.max_regs and device.type == "cuda":
+    if t.max_regs and device.type == "cuda" and not torch.version.hip:
         opts["maxnreg"] = t.max_regs
     return opts
 

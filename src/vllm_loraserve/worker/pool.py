@@ -107,6 +107,15 @@ def page_view(kv: torch.Tensor, page_size: int) -> torch.Tensor:
     return torch.as_strided(kv, (n, page_size), (page_size, 1), kv.storage_offset())
 
 
+def plan(num_tokens: int, max_slots: int, large_rule: str
+         ) -> tuple[tuple[tuple[str, int], int], ...]:
+    """The batchings a layer input of `num_tokens` rows launches, each as
+    (buffer key, most blocks): what the kernels' launches depend on. A
+    buffer key is (token set, block height)."""
+    keys = (SMALL,) if num_tokens <= SMALL_BATCH else LARGE_RULES[large_rule]
+    return tuple((key, -(-num_tokens // key[1]) + min(num_tokens, max_slots)) for key in keys)
+
+
 class DevicePool:
     """Built with the model, before vLLM profiles and compiles it (the layers
     must call the pool from their first trace, and the buffers count as model
@@ -307,11 +316,7 @@ class DevicePool:
                 "short": np.where(tall, -1, token_slots)}
 
     def _plan(self, num_tokens: int) -> tuple[tuple[tuple[str, int], int], ...]:
-        """The batchings a layer input of `num_tokens` rows launches, each
-        as (buffer key, most blocks): what the kernels' launches depend on."""
-        keys = (SMALL,) if num_tokens <= SMALL_BATCH else LARGE_RULES[self.large_rule]
-        return tuple((key, -(-num_tokens // key[1]) + min(num_tokens, self.max_slots))
-                     for key in keys)
+        return plan(num_tokens, self.max_slots, self.large_rule)
 
     def _keys_for(self, num_tokens: int) -> set[tuple[str, int]]:
         """The buffers a step of `num_tokens` tokens fills in set_tokens (each
