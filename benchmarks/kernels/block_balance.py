@@ -34,6 +34,7 @@ import triton
 from vllm_loraserve.kernels import batch as batch_mod
 from vllm_loraserve.kernels.batch import TokenBatchBuffers
 from vllm_loraserve.kernels.triton_mbgmm import PROGRAMS_PER_SM
+from vllm_loraserve.worker.pool import plan
 
 # Column tiles (128 columns) of each slice of each module kind's expand. Its grid
 # has the widest slice's tiles for every slice; programs past a slice's own do nothing.
@@ -65,8 +66,9 @@ def case(a: argparse.Namespace, order: str, seed: int) -> dict:
     blocks = batch.blocks[:batch.num_blocks].numpy()
     tiles = -(-ranks[blocks[:, 0]] // a.rank_step) + a.overhead
     # The grid's first axis is bounded by the most blocks a step of this many
-    # tokens can have (what its CUDA graph captured), not by this step's.
-    bound = -(-a.tokens // 16) + min(a.tokens, a.adapters)
+    # tokens can have (what its CUDA graph captured), not by this step's: the
+    # pool's one batching of 16-token blocks (up to SMALL_BATCH tokens).
+    (_, bound), = plan(a.tokens, a.adapters, "split")
     out = {"blocks": len(blocks)}
     for kind, slice_cols in SHAPES[a.shape].items():
         cols = max(slice_cols)

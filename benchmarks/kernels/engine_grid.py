@@ -225,10 +225,8 @@ def sweep(pool, kind, tokens, dev, mbgmm, log, table_rows: dict | None = None) -
     and down_proj's are the same launch) keeps that pick."""
     probe = probe_batch(pool, tokens)
     m = ModuleSlices.of(pool.layout, MODULES[kind])
-    keys = {"stream": ("stream", batch_class(probe.max_blocks, probe.block_m), m.in_features,
-                       m.count),
-            "expand": ("expand", batch_class(probe.max_blocks, probe.block_m),
-                       max(m.out_features), m.count)}
+    keys = {op: TileTable.key(op, probe.max_blocks, probe.block_m, size, m.count)
+            for op, size in (("stream", m.in_features), ("expand", max(m.out_features)))}
     best = {"stream": mbgmm.stream_tiles(probe, m.in_features),
             "expand": mbgmm.expand_tiles(probe, max(m.out_features))}
     swept = [op for op in best if table_rows is None or keys[op] not in table_rows]
@@ -367,7 +365,6 @@ def main() -> None:
                        mb_per_layer=round(step_bytes / LAYERS / 1e6, 2))
             for kind in kinds:
                 if a.sweep:
-                    batch_mod.BLOCK_ORDER = first[1]
                     row[kind] = sweep(pools[first], kind, t, dev, mbgmm, print, table_rows)
                     continue
                 ys = {}

@@ -82,7 +82,8 @@ def test_the_sweep_finds_the_fastest_tiles_and_keys_them_as_the_server_looks_up(
                engine_grid.check_tiles("expand", e) is None for _, s, e in timed)
     table = TileTable("cpu", "any", rows)
     assert TileTable.from_json(table.to_json()) == table
-    assert table.get("expand", probe.max_blocks, probe.block_m, 64, 1) == want_expand
+    assert table.entries[TileTable.key("expand", probe.max_blocks, probe.block_m, 64, 1)] == \
+        want_expand
 
 
 def test_the_sweep_refuses_a_table_of_two_picks_per_class_before_any_gpu_work(monkeypatch):

@@ -54,11 +54,14 @@ def test_each_rule_picks_one_legal_tile_per_batch_class(op, size):
 
 def test_an_entry_is_found_by_class_size_and_count():
     table = TileTable("d", "t", ENTRIES)
-    assert table.get("stream", 700, 16, 4096, 3) == ENTRIES[("stream", "short", 4096, 3)]
-    assert table.get("stream", 700, 16, 4096, 1) is None  # another count
-    assert table.get("stream", 700, 16, 14336, 3) is None  # another size
-    assert table.get("stream", 700, 32, 4096, 3) is None  # another class (tall)
-    assert table.get("expand", 700, 16, 4096, 3) is None  # another op
+    def get(*launch):
+        return table.entries.get(TileTable.key(*launch))
+
+    assert get("stream", 700, 16, 4096, 3) == ENTRIES[("stream", "short", 4096, 3)]
+    assert get("stream", 700, 16, 4096, 1) is None  # another count
+    assert get("stream", 700, 16, 14336, 3) is None  # another size
+    assert get("stream", 700, 32, 4096, 3) is None  # another class (tall)
+    assert get("expand", 700, 16, 4096, 3) is None  # another op
 
 
 @pytest.mark.parametrize("op, tiles, why", [

@@ -135,10 +135,6 @@ class TileTable:
         """The entry a launch of `op` on such a batch and module would take."""
         return op, batch_class(max_blocks, block_m), size, count
 
-    def get(self, op: str, max_blocks: int, block_m: int, size: int, count: int
-            ) -> Tiles | None:
-        return self.entries.get(self.key(op, max_blocks, block_m, size, count))
-
     def to_json(self) -> str:
         rows = [dict(op=op, batch_class=cls, size=size, count=count, tiles=asdict(t))
                 for (op, cls, size, count), t in sorted(self.entries.items())]

@@ -31,8 +31,8 @@ Invariants:
   raises instead (a read's first checkpoint runs on its calling thread);
 - elsewhere `pause` returns at once while the gate is open or fewer than
   `min_reads` (at least 2) reads are under way (`reading`), otherwise when
-  one of these holds. A read
-  woken by the gate's opening parks again if it finds it closed anew;
+  one of these holds. A read woken by the gate's opening parks again if it
+  finds it closed anew;
 - a parked read keeps what it holds (its arena extent, its file): it is
   delayed, never failed.
 """
